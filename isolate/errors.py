@@ -1,0 +1,51 @@
+"""The exceptions of ``isolate``.
+
+Every error the library raises derives from :class:`IsolationError`, and each subclass also
+inherits the builtin that fits, so ``except ValueError`` keeps working for callers that do not
+know about ``isolate``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DriftError",
+    "GradientLeakError",
+    "InplaceModificationError",
+    "IsolationError",
+    "IsolationTypeError",
+    "RestoreError",
+    "SelectorError",
+    "WrappingError",
+]
+
+
+class IsolationError(Exception):
+    """Base class of every error raised by ``isolate``."""
+
+
+class SelectorError(IsolationError, ValueError):
+    """A selector is malformed or matches nothing."""
+
+
+class IsolationTypeError(IsolationError, TypeError):
+    """An argument has the wrong type (a non-module target, a non-tensor input, ...)."""
+
+
+class WrappingError(IsolationError, ValueError):
+    """A module is wrapped in a way that cannot work (for example, wrapped twice)."""
+
+
+class RestoreError(IsolationError, RuntimeError):
+    """A handle is restored twice, or out of order."""
+
+
+class InplaceModificationError(IsolationError, RuntimeError):
+    """A branch edited a tensor in place that it shares with the main network."""
+
+
+class GradientLeakError(IsolationError, AssertionError):
+    """A loss reaches parameters that were meant to be protected from it."""
+
+
+class DriftError(IsolationError, AssertionError):
+    """Parameters or buffers changed when they were meant to stay fixed."""
