@@ -1,0 +1,403 @@
+"""Catching parameters and buffers that move when they should not.
+
+:func:`snapshot` copies a model's parameters and buffers; the returned :class:`Snapshot` tells
+by name what changed since. :func:`optimizer_exposure` finds the frozen parameters an
+optimizer still holds, and why a step could move them anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from isolate.errors import DriftError, IsolationTypeError, SelectorError
+
+__all__ = ["Exposure", "Snapshot", "optimizer_exposure", "snapshot"]
+
+ParameterFilter = Literal["all", "frozen", "trainable", "none"]
+_FILTERS = ("all", "frozen", "trainable", "none")
+
+
+def _max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
+    """Max |new - old| over elements; NaN in both places counts as equal, ``inf`` on shape change.
+
+    Integer and bool tensors are compared in float64, so ``num_batches_tracked`` steps by 1.0.
+    """
+    if old.shape != new.shape:
+        return math.inf
+    if old.numel() == 0:
+        return 0.0
+    new = new.detach().to(old.device)
+    if torch.equal(old, new):
+        return 0.0
+    if old.is_complex() or new.is_complex():
+        a, b = old.to(torch.complex128), new.to(torch.complex128)
+    else:
+        a, b = old.to(torch.float64), new.to(torch.float64)
+    diff = (b - a).abs()
+    both_nan = a.isnan() & b.isnan()
+    if bool(both_nan.any()):
+        diff = diff.masked_fill(both_nan, 0.0)
+    return float(diff.max())
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    kind: Literal["parameter", "buffer"]
+    saved: torch.Tensor
+    live: torch.Tensor  # the object snapshotted, to notice when a name points elsewhere later
+
+
+class Snapshot:
+    """A copy of named parameters and buffers, and the means to compare against it.
+
+    Made by :func:`snapshot`. Tensors are looked up again by name at every check, so a
+    ``Parameter`` replaced after the snapshot is compared too (and reported as replaced).
+
+    Attributes:
+        names: every name that was copied, parameters first, in model order.
+    """
+
+    def __init__(
+        self,
+        entries: list[_Entry],
+        module: nn.Module | None,
+        description: str,
+    ) -> None:
+        self._entries = entries
+        self._module = module
+        self._description = description
+        self.names: tuple[str, ...] = tuple(e.name for e in entries)
+
+    def __repr__(self) -> str:
+        kinds = [e.kind for e in self._entries]
+        return (
+            f"Snapshot({self._description}: {kinds.count('parameter')} parameters, "
+            f"{kinds.count('buffer')} buffers)"
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def _current(self) -> dict[str, torch.Tensor]:
+        if self._module is None:
+            return {e.name: e.live for e in self._entries}
+        current: dict[str, torch.Tensor] = {}
+        current.update(self._module.named_parameters(remove_duplicate=False))
+        current.update(self._module.named_buffers(remove_duplicate=False))
+        return current
+
+    def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
+        current = self._current()
+        out = []
+        for entry in self._entries:
+            now = current.get(entry.name)
+            delta = math.inf if now is None else _max_abs_diff(entry.saved, now)
+            if not delta <= atol or now is not entry.live:
+                out.append((entry, now, delta))
+        return out
+
+    def changed(self, *, atol: float = 0.0) -> dict[str, float]:
+        """Name -> max |Δ| of every tensor whose values moved by more than ``atol``.
+
+        A tensor that is gone, or whose shape changed, reports ``inf``; NaN where there was a
+        number (or the other way round) reports ``nan``.
+
+        >>> model = nn.Linear(2, 1)
+        >>> snap = snapshot(model)
+        >>> with torch.no_grad():
+        ...     _ = model.bias.add_(0.5)
+        >>> snap.changed()
+        {'bias': 0.5}
+        """
+        return {e.name: d for e, _, d in self._compare(atol) if not d <= atol}
+
+    def replaced(self) -> tuple[str, ...]:
+        """Names that point to a different tensor object than at the snapshot.
+
+        An optimizer or a checkpoint still holds the old object, so a replaced parameter
+        quietly stops training (or stops being saved). Empty for mapping snapshots.
+        """
+        return tuple(e.name for e, now, _ in self._compare(math.inf) if now is not e.live)
+
+    def assert_unchanged(self, *, atol: float = 0.0) -> None:
+        """Raise :class:`~isolate.DriftError` if any tensor moved by more than ``atol``.
+
+        Args:
+            atol: the largest |Δ| per element that still counts as unchanged.
+
+        Raises:
+            DriftError: naming every tensor that moved, whether it is a parameter or a
+                buffer, its ``requires_grad``, its max |Δ| and how many elements moved, and
+                the likely cause.
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        >>> snap = snapshot(model)
+        >>> _ = model(torch.randn(4, 2))  # train mode: BatchNorm updates its statistics
+        >>> snap.assert_unchanged()
+        Traceback (most recent call last):
+        ...
+        isolate.errors.DriftError: assert_unchanged(): 3 of 7 tensors changed since the ...
+        """
+        caller = "assert_unchanged()"
+        if not isinstance(atol, (int, float)) or not atol >= 0:
+            raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
+        moved = [(e, now, d) for e, now, d in self._compare(atol) if not d <= atol]
+        if not moved:
+            return
+        width = max(len(e.name) for e, _, _ in moved)
+        lines = []
+        for entry, now, delta in moved:
+            if now is None:
+                detail = "is gone (no tensor of that name any more)"
+            elif now.shape != entry.saved.shape:
+                detail = f"changed shape {tuple(entry.saved.shape)} -> {tuple(now.shape)}"
+            else:
+                diff = _elementwise_moved(entry.saved, now, atol)
+                detail = f"max|Δ|={delta:.3e} in {diff} of {entry.saved.numel()} elements"
+            flag = ""
+            if entry.kind == "parameter" and now is not None:
+                flag = f", requires_grad={now.requires_grad}"
+            replaced = ", replaced by a new object" if now is not entry.live else ""
+            lines.append(f"  {entry.name:<{width}}  ({entry.kind}{flag}{replaced}) {detail}")
+        hints = []
+        if any(e.kind == "parameter" for e, _, _ in moved):
+            hints.append(
+                "a parameter with requires_grad=False still moves when its .grad is a zero "
+                "tensor and the optimizer has weight decay or momentum: call "
+                "optimizer.zero_grad(set_to_none=True) or drop it from the optimizer "
+                "(isolate.optimizer_exposure lists such parameters)"
+            )
+        if any(e.kind == "buffer" for e, _, _ in moved):
+            hints.append(
+                "BatchNorm running statistics update in train mode whatever requires_grad "
+                "says: put those layers in eval mode (isolate.freeze(..., bn='eval'))"
+            )
+        raise DriftError(
+            f"{caller}: {len(moved)} of {len(self._entries)} tensors changed since the "
+            f"snapshot of {self._description} (atol={atol}):\n"
+            + "\n".join(lines)
+            + "\nFix: "
+            + "; ".join(hints)
+        )
+
+
+def _elementwise_moved(old: torch.Tensor, new: torch.Tensor, atol: float) -> int:
+    new = new.detach().to(old.device)
+    if old.is_complex() or new.is_complex():
+        a, b = old.to(torch.complex128), new.to(torch.complex128)
+    else:
+        a, b = old.to(torch.float64), new.to(torch.float64)
+    same_nan = a.isnan() & b.isnan()
+    return int(((~((b - a).abs() <= atol)) & ~same_nan).sum())
+
+
+def snapshot(
+    target: nn.Module | Mapping[str, torch.Tensor],
+    *,
+    parameters: ParameterFilter = "all",
+    buffers: bool = True,
+    device: torch.device | str | None = "cpu",
+) -> Snapshot:
+    """Copy parameters and buffers now, to tell later by name what changed.
+
+    Args:
+        target: a module (its parameters and buffers, every alias of a tied tensor, with
+            BatchNorm ``running_mean`` / ``running_var`` / ``num_batches_tracked``), or a
+            mapping of names to tensors.
+        parameters: which parameters of a module to copy: ``"all"``, ``"frozen"``
+            (``requires_grad=False`` now), ``"trainable"`` or ``"none"``.
+        buffers: whether to copy the module's buffers.
+        device: where the copies live; ``None`` keeps each on its tensor's device (faster,
+            but costs accelerator memory).
+
+    Returns:
+        A :class:`Snapshot`; call ``.changed()`` or ``.assert_unchanged()`` on it later.
+
+    Raises:
+        IsolationTypeError: ``target`` is neither a module nor a mapping of tensors.
+        SelectorError: ``parameters`` is not one of the filters above.
+
+    Note:
+        ``requires_grad=False`` is not enough to keep a parameter still: an optimizer moves a
+        parameter whose ``.grad`` is a zero tensor (left by ``zero_grad(set_to_none=False)``
+        or an earlier step) through weight decay and momentum, and BatchNorm updates its
+        running statistics in train mode regardless. A snapshot catches both.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    >>> model[0].requires_grad_(False)  # doctest: +ELLIPSIS
+    Linear(...)
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    >>> snap = snapshot(model, parameters="frozen")
+    >>> for p in model[0].parameters():
+    ...     p.grad = torch.zeros_like(p)  # a zero grad is not None: AdamW decays p
+    >>> opt.step()
+    >>> sorted(snap.changed())
+    ['0.bias', '0.weight']
+    """
+    caller = "snapshot()"
+    if parameters not in _FILTERS:
+        raise SelectorError(
+            f"{caller}: parameters={parameters!r} is not a filter; expected one of {list(_FILTERS)}"
+        )
+    saved: dict[int, torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        # Aliases (tied weights, shared buffers) share one copy.
+        if id(t) not in saved:
+            data = t.detach()
+            saved[id(t)] = data.clone() if device is None else data.to(device, copy=True)
+        return saved[id(t)]
+
+    entries: list[_Entry] = []
+    if isinstance(target, nn.Module):
+        for name, p in target.named_parameters(remove_duplicate=False):
+            keep = parameters == "all" or (
+                parameters != "none" and p.requires_grad == (parameters == "trainable")
+            )
+            if keep:
+                entries.append(_Entry(name, "parameter", copy(p), p))
+        if buffers:
+            for name, b in target.named_buffers(remove_duplicate=False):
+                entries.append(_Entry(name, "buffer", copy(b), b))
+        return Snapshot(entries, target, type(target).__name__)
+    if isinstance(target, Mapping):
+        for name, t in target.items():
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+                raise IsolationTypeError(
+                    f"{caller}: a mapping target must map names to tensors; got "
+                    f"{type(name).__name__} -> {type(t).__name__}"
+                )
+            kind: Literal["parameter", "buffer"] = (
+                "parameter" if isinstance(t, nn.Parameter) else "buffer"
+            )
+            entries.append(_Entry(name, kind, copy(t), t))
+        return Snapshot(entries, None, f"{len(entries)} named tensors")
+    raise IsolationTypeError(
+        f"{caller}: target must be a torch.nn.Module or a mapping of names to tensors, got "
+        f"{type(target).__name__}; e.g. snapshot(model) or snapshot(dict(model.named_buffers()))"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer_exposure
+
+# State that keeps moving a parameter when its gradient is zero: a momentum buffer, or Adam's
+# first moment. Second moments (exp_avg_sq, square_avg, Adagrad's sum) only scale a gradient.
+_MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """A frozen parameter that an optimizer still holds.
+
+    Attributes:
+        name: its qualified name in the model, or ``"param_groups[g][i]"`` without a model.
+        group: the index of the optimizer's param group that holds it.
+        index: its position in that group's ``"params"``.
+        grad: ``"none"``, ``"zero"`` or ``"nonzero"``: what its ``.grad`` holds now.
+        reasons: why a zero ``.grad`` would still move it (weight decay, momentum or Adam
+            state); empty when a zero grad would leave it alone.
+    """
+
+    name: str
+    group: int
+    index: int
+    grad: Literal["none", "zero", "nonzero"]
+    reasons: tuple[str, ...]
+
+    @property
+    def at_risk(self) -> bool:
+        """Whether a zero ``.grad`` would move it on ``step()``."""
+        return bool(self.reasons)
+
+    @property
+    def moves_on_step(self) -> bool:
+        """Whether the next ``step()`` moves it, given its ``.grad`` now."""
+        return self.grad == "nonzero" or (self.grad == "zero" and self.at_risk)
+
+    def __str__(self) -> str:
+        why = "; ".join(self.reasons) if self.reasons else "harmless while .grad is None or zero"
+        return f"{self.name} (param group {self.group}, .grad {self.grad}): {why}"
+
+
+def optimizer_exposure(
+    optimizer: torch.optim.Optimizer, model: nn.Module | None = None
+) -> tuple[Exposure, ...]:
+    """The parameters with ``requires_grad=False`` that ``optimizer`` still holds, and why.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``, or a wrapper with an ``.optimizer``
+            attribute (Lightning's ``LightningOptimizer``).
+        model: the model, to name parameters by their qualified names.
+
+    Returns:
+        One :class:`Exposure` per frozen parameter held, in param-group order. Filter on
+        ``.at_risk`` (a zero grad would move it) or ``.moves_on_step`` (the next step will).
+
+    Raises:
+        IsolationTypeError: ``optimizer`` is not an optimizer, or ``model`` not a module.
+
+    Note:
+        Every built-in optimizer skips a parameter whose ``.grad`` is ``None``; the danger is a
+        zero-filled ``.grad`` (``zero_grad(set_to_none=False)``, or a grad left from before
+        the freeze), which weight decay, a momentum buffer or Adam's first moment turn into a
+        real step.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    >>> _ = model[0].requires_grad_(False)
+    >>> for exposure in optimizer_exposure(opt, model):
+    ...     print(exposure)
+    0.weight (param group 0, .grad none): weight_decay=0.0001 shrinks it on every step
+    0.bias (param group 0, .grad none): weight_decay=0.0001 shrinks it on every step
+    """
+    caller = "optimizer_exposure()"
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
+        inner, torch.optim.Optimizer
+    ):
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise IsolationTypeError(
+            f"{caller}: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; pass the optimizer itself (trainer.optimizers[0])"
+        )
+    names: dict[int, str] = {}
+    if model is not None:
+        if not isinstance(model, nn.Module):
+            raise IsolationTypeError(
+                f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+    found: list[Exposure] = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.requires_grad:
+                continue
+            reasons = []
+            decay = group.get("weight_decay", 0.0)
+            if decay:
+                reasons.append(f"weight_decay={decay} shrinks it on every step")
+            state = optimizer.state.get(p, {})
+            for key in _MOMENTUM_STATE:
+                value = state.get(key)
+                if isinstance(value, torch.Tensor) and bool(value.ne(0).any()):
+                    reasons.append(f"optimizer state {key!r} is non-zero and keeps moving it")
+            if p.grad is None:
+                grad: Literal["none", "zero", "nonzero"] = "none"
+            else:
+                grad = "nonzero" if bool(p.grad.ne(0).any()) else "zero"
+            name = names.get(id(p), f"param_groups[{g}][{i}]")
+            found.append(Exposure(name, g, i, grad, tuple(reasons)))
+    return tuple(found)
