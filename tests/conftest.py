@@ -1,0 +1,56 @@
+"""Suite-wide guards: every test leaves grad mode on, no isolation handle active, no hook
+behind, and no file outside ``tmp_path``."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from isolate import freezing
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _untracked() -> set[str]:
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all", "--ignored"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return {line[3:] for line in out.stdout.splitlines() if line.startswith(("??", "!!"))}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_files_left_behind() -> Iterator[None]:
+    """Tests write only below tmp_path: the repo gains no file while the suite runs."""
+    if not (REPO / ".git").exists():  # installed elsewhere: nothing to police
+        yield
+        return
+    before = _untracked()
+    yield
+    created = {
+        path
+        for path in _untracked() - before
+        if "__pycache__" not in path and not path.startswith((".venv", ".hypothesis"))
+    }
+    assert not created, f"the suite wrote files into the repo: {sorted(created)[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def _isolation_left_clean() -> Iterator[None]:
+    gc.collect()
+    active_before = set(freezing._active)
+    yield
+    assert torch.is_grad_enabled(), "a test left grad mode off"
+    gc.collect()
+    leaked = [h for h in freezing._active if h not in active_before]
+    for handle in sorted(leaked, key=lambda h: -h._seq):
+        handle.restore()
+    assert not leaked, f"a test left freeze handles active: {leaked}"

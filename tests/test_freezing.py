@@ -1,0 +1,409 @@
+"""freeze / unfreeze / frozen / Frozen: exact round trips, selectors, BatchNorm, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import isolate
+from isolate import (
+    FreezeHandle,
+    Frozen,
+    IsolationError,
+    IsolationTypeError,
+    RestoreError,
+    SelectorError,
+    WrappingError,
+    freeze,
+    frozen,
+    is_frozen,
+    unfreeze,
+    unfrozen,
+)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Sequential(nn.BatchNorm1d(8, affine=False), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+
+def state(model: nn.Module) -> dict[str, Any]:
+    """Everything a freeze may touch, for exact comparisons."""
+    return {
+        "flags": {n: p.requires_grad for n, p in model.named_parameters()},
+        "ids": {n: id(p) for n, p in model.named_parameters()},
+        "classes": {n: type(m) for n, m in model.named_modules()},
+        "modes": {n: m.training for n, m in model.named_modules()},
+        "hooks": {
+            n: len(m._forward_pre_hooks) + len(m._forward_hooks) for n, m in model.named_modules()
+        },
+    }
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def test_freeze_and_restore_round_trip(net: Net) -> None:
+    before = state(net)
+    handle = freeze(net, "trunk")
+    assert handle.names == (
+        "trunk.0.weight",
+        "trunk.0.bias",
+        "trunk.1.weight",
+        "trunk.1.bias",
+        "trunk.3.weight",
+        "trunk.3.bias",
+    )
+    assert handle.norms == ("trunk.1",)
+    assert all(not p.requires_grad for p in net.trunk.parameters())
+    assert all(p.requires_grad for p in net.head.parameters())
+    assert not net.trunk[1].training and net.aux[0].training
+    handle.restore()
+    assert state(net) == before
+    assert not handle.active
+
+
+@pytest.mark.parametrize(
+    ("selectors", "expected"),
+    [
+        (
+            ("trunk",),
+            {
+                "trunk.0.weight",
+                "trunk.0.bias",
+                "trunk.1.weight",
+                "trunk.1.bias",
+                "trunk.3.weight",
+                "trunk.3.bias",
+            },
+        ),
+        (
+            ("trunk.*",),
+            {
+                "trunk.0.weight",
+                "trunk.0.bias",
+                "trunk.1.weight",
+                "trunk.1.bias",
+                "trunk.3.weight",
+                "trunk.3.bias",
+            },
+        ),
+        (("*.bias",), {"trunk.0.bias", "trunk.1.bias", "trunk.3.bias", "head.bias", "aux.1.bias"}),
+        (("head.weight",), {"head.weight"}),
+        (("trunk.3", "head"), {"trunk.3.weight", "trunk.3.bias", "head.weight", "head.bias"}),
+        ((lambda name, p: p.ndim == 2 and name.startswith("aux"),), {"aux.1.weight"}),
+    ],
+)
+def test_selectors(net: Net, selectors: tuple[Any, ...], expected: set[str]) -> None:
+    with frozen(net, *selectors) as handle:
+        assert set(handle.names) == expected
+        assert {n for n, p in net.named_parameters() if not p.requires_grad} == expected
+
+
+def test_module_and_parameter_objects_as_selectors(net: Net) -> None:
+    with frozen(net, net.head, net.trunk[0].weight) as handle:
+        assert handle.names == ("trunk.0.weight", "head.weight", "head.bias")
+
+
+def test_no_selector_freezes_everything(net: Net) -> None:
+    with frozen(net) as handle:
+        assert len(handle.names) == len(list(net.parameters()))
+        assert handle.norms == ("trunk.1", "aux.0")
+        assert is_frozen(net)
+
+
+def test_pre_frozen_parameters_stay_frozen(net: Net) -> None:
+    net.head.bias.requires_grad_(False)
+    with frozen(net, "head"):
+        assert not net.head.weight.requires_grad
+    assert net.head.weight.requires_grad and not net.head.bias.requires_grad
+    with unfrozen(net, "head"):
+        assert net.head.bias.requires_grad
+    assert not net.head.bias.requires_grad
+
+
+def test_nesting_restores_each_level(net: Net) -> None:
+    before = state(net)
+    with frozen(net, "trunk"):
+        mid = state(net)
+        with frozen(net):
+            with unfrozen(net, "trunk.3"):
+                assert net.trunk[3].weight.requires_grad and not net.trunk[0].weight.requires_grad
+            assert is_frozen(net)
+        assert state(net) == mid
+    assert state(net) == before
+
+
+def test_exception_inside_the_block_restores(net: Net) -> None:
+    before = state(net)
+    with pytest.raises(KeyError), frozen(net, "trunk", "head"):
+        raise KeyError("boom")
+    assert state(net) == before
+
+
+def test_freeze_drops_gradients(net: Net) -> None:
+    net(torch.randn(5, 4)).sum().backward()
+    assert net.trunk[0].weight.grad is not None
+    with frozen(net, "trunk"):
+        assert all(p.grad is None for p in net.trunk.parameters())
+        assert net.head.weight.grad is not None
+        net(torch.randn(5, 4)).sum().backward()
+        assert all(p.grad is None for p in net.trunk.parameters())
+
+
+@pytest.mark.parametrize(
+    ("selector", "message"),
+    [
+        (
+            "backbone.*",
+            r"^freeze\(\): 'backbone\.\*' matched no parameter of Net; its children "
+            r"are \['trunk', 'head', 'aux'\]",
+        ),
+        ("backbone", r"^freeze\(\): 'backbone' matched no parameter of Net"),
+        ("trunk.2", r"^freeze\(\): 'trunk\.2' matched no parameter"),  # ReLU: nothing to freeze
+        ("trunk.[0", r"^freeze\(\): malformed glob 'trunk\.\[0'"),
+        ("", r"^freeze\(\): empty selector"),
+        (lambda n, p: False, r"^freeze\(\): '<lambda>' matched no parameter"),
+    ],
+)
+def test_bad_selectors_raise_before_anything_changes(net: Net, selector: Any, message: str) -> None:
+    before = state(net)
+    with pytest.raises(SelectorError, match=message) as info:
+        freeze(net, "head", selector)  # the valid first selector must not be half-applied
+    assert isinstance(info.value, ValueError) and isinstance(info.value, IsolationError)
+    assert state(net) == before
+
+
+def test_foreign_module_and_parameter_selectors(net: Net) -> None:
+    before = state(net)
+    with pytest.raises(SelectorError, match=r"not a submodule of Net"):
+        freeze(net, nn.Linear(2, 2))
+    with pytest.raises(SelectorError, match=r"is not a parameter of Net"):
+        freeze(net, nn.Parameter(torch.ones(2)))
+    assert state(net) == before
+
+
+def test_wrong_types(net: Net) -> None:
+    with pytest.raises(
+        IsolationTypeError, match=r"^freeze\(\): model must be a torch\.nn\.Module, got Tensor"
+    ):
+        freeze(torch.ones(2), "x")  # type: ignore[arg-type]
+    with pytest.raises(IsolationTypeError, match=r"^freeze\(\): a selector must be .* got int 3"):
+        freeze(net, 3)  # type: ignore[arg-type]
+    with pytest.raises(SelectorError, match=r"^freeze\(\): bn='frozen' is not a BatchNorm policy"):
+        freeze(net, bn="frozen")  # type: ignore[arg-type]
+
+
+def test_unfreeze_refuses_integer_parameters() -> None:
+    model = nn.Linear(2, 2)
+    model.register_parameter(
+        "steps", nn.Parameter(torch.zeros(1, dtype=torch.long), requires_grad=False)
+    )
+    with pytest.raises(
+        IsolationTypeError, match=r"^unfreeze\(\): parameters \['steps'\] are not floating"
+    ):
+        unfreeze(model)
+    assert not model.steps.requires_grad and model.weight.requires_grad
+
+
+def test_restore_twice_and_out_of_order(net: Net) -> None:
+    outer = freeze(net, "trunk")
+    inner = freeze(net, "trunk.0")
+    with pytest.raises(RestoreError, match=r"^freeze\(\): restored out of order"):
+        outer.restore()
+    assert not net.trunk[0].weight.requires_grad  # the refused restore changed nothing
+    inner.restore()
+    outer.restore()
+    with pytest.raises(RestoreError, match=r"^freeze\(\): this handle was restored already"):
+        outer.restore()
+    assert all(p.requires_grad for p in net.parameters())
+
+
+def test_disjoint_handles_restore_in_any_order(net: Net) -> None:
+    before = state(net)
+    first, second = freeze(net, "trunk"), freeze(net, "head")
+    first.restore()
+    second.restore()
+    assert state(net) == before
+
+
+def test_handle_repr(net: Net) -> None:
+    with frozen(net, "head") as handle:
+        assert isinstance(handle, FreezeHandle)
+        assert (
+            repr(handle) == "FreezeHandle(freeze on Net: 2 parameters, 0 BatchNorm layers, active)"
+        )
+    assert repr(handle).endswith("restored)")
+
+
+# --- BatchNorm policy -------------------------------------------------------------------
+
+
+def test_bn_eval_holds_statistics_across_train_mode_forwards(net: Net) -> None:
+    bn = net.trunk[1]
+    stats = (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+    with frozen(net, "trunk", bn="eval"):
+        for _ in range(3):
+            net.train()  # what a parent or Lightning does every epoch
+            net(torch.randn(16, 4))
+        bn.training = True  # what Lightning's _ModuleMode.restore does
+        net(torch.randn(16, 4))
+        assert torch.equal(bn.running_mean, stats[0])
+        assert torch.equal(bn.running_var, stats[1])
+        assert torch.equal(bn.num_batches_tracked, stats[2])
+    assert bn.training
+    assert not bn._forward_pre_hooks  # nothing left behind
+    net(torch.randn(16, 4))
+    assert not torch.equal(bn.running_mean, stats[0])
+
+
+def test_bn_train_lets_statistics_update(net: Net) -> None:
+    bn = net.trunk[1]
+    mean = bn.running_mean.clone()
+    with frozen(net, "trunk", bn="train") as handle:
+        assert handle.norms == ("trunk.1",)
+        net(torch.randn(16, 4))
+        assert not torch.equal(bn.running_mean, mean)
+        assert not bn.weight.requires_grad
+
+
+def test_bn_without_affine_is_covered_by_module_and_glob_selectors(net: Net) -> None:
+    with frozen(net, "aux") as by_name:
+        assert by_name.norms == ("aux.0",)
+    with frozen(net, "aux.*") as by_glob:
+        assert by_glob.norms == ("aux.0",)
+    with frozen(net, net.aux) as by_object:
+        assert by_object.norms == ("aux.0",)
+
+
+def test_unfreeze_releases_a_held_batchnorm_and_restore_holds_it_again(net: Net) -> None:
+    bn = net.trunk[1]
+    with frozen(net, "trunk"):
+        with unfrozen(net, "trunk.1"):
+            assert bn.training and bn.weight.requires_grad
+            mean = bn.running_mean.clone()
+            net(torch.randn(16, 4))
+            assert not torch.equal(bn.running_mean, mean)
+        assert not bn.training
+        net.train()
+        mean = bn.running_mean.clone()
+        net(torch.randn(16, 4))
+        assert torch.equal(bn.running_mean, mean)
+
+
+def test_training_mode_is_restored_exactly(net: Net) -> None:
+    net.eval()
+    net.trunk.train()
+    before = state(net)
+    with frozen(net):
+        net.train()
+    net.eval()
+    net.trunk.train()
+    assert state(net) == before
+
+
+# --- Frozen ---------------------------------------------------------------------------
+
+
+def test_frozen_outputs_carry_no_grad_fn_and_keep_statistics(net: Net) -> None:
+    wrapped = Frozen(net.trunk).train()
+    bn = net.trunk[1]
+    mean = bn.running_mean.clone()
+    out = wrapped(torch.randn(8, 4))
+    assert out.grad_fn is None and not out.requires_grad
+    assert torch.equal(bn.running_mean, mean)
+    assert all(not p.requires_grad for p in wrapped.parameters())
+    wrapped.unwrap()
+
+
+def test_frozen_records_no_activations(net: Net) -> None:
+    saved: list[torch.Size] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.shape)
+        return t
+
+    x = torch.randn(8, 4)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        net.trunk(x)
+        plain = len(saved)
+        saved.clear()
+        wrapped = Frozen(net.trunk)
+        wrapped(x)
+    assert plain > 0 and saved == []
+    wrapped.unwrap()
+
+
+def test_frozen_passes_gradient_to_inputs_but_not_to_parameters(net: Net) -> None:
+    wrapped = Frozen(net.trunk)
+    x = torch.randn(8, 4, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is None for p in net.trunk.parameters())
+    wrapped.unwrap()
+
+
+def test_frozen_forward_matches_eval_forward(net: Net) -> None:
+    x = torch.randn(8, 4)
+    net.trunk.eval()
+    expected = net.trunk(x)
+    net.trunk.train()
+    wrapped = Frozen(net.trunk)
+    assert torch.equal(wrapped(x), expected)
+    wrapped.unwrap()
+
+
+def test_frozen_unwrap_round_trip_and_state_dict_keys(net: Net) -> None:
+    before = state(net.trunk)
+    keys = list(net.trunk.state_dict())
+    wrapped = Frozen(net.trunk)
+    assert list(wrapped.state_dict()) == keys
+    assert [id(p) for p in wrapped.parameters()] == [id(p) for p in net.trunk.parameters()]
+    net.trunk = wrapped  # type: ignore[assignment]
+    saved = net.state_dict()
+    assert "trunk.0.weight" in saved and not any(".module." in k for k in saved)
+    fresh = Net()
+    fresh.trunk = Frozen(fresh.trunk)  # type: ignore[assignment]
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.trunk.module[0].weight, wrapped.module[0].weight)
+    plain = Net()
+    plain.load_state_dict(saved)
+    assert torch.equal(plain.trunk[0].weight, wrapped.module[0].weight)
+    inner = wrapped.unwrap()
+    assert inner is wrapped.module
+    assert state(inner) == before
+
+
+def test_frozen_refuses_double_wrapping_and_non_modules(net: Net) -> None:
+    wrapped = Frozen(net.trunk)
+    with pytest.raises(
+        WrappingError, match=r"^Frozen\(\): the module is already wrapped in Frozen"
+    ):
+        Frozen(wrapped)
+    with pytest.raises(
+        WrappingError, match=r"^Frozen\(\): this Sequential is already wrapped in a live Frozen"
+    ):
+        Frozen(net.trunk)
+    wrapped.unwrap()
+    Frozen(net.trunk).unwrap()  # allowed again once unwrapped
+    with pytest.raises(
+        IsolationTypeError, match=r"^Frozen\(\): the wrapped object must be a torch\.nn\.Module"
+    ):
+        Frozen(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_public_names_are_sorted_and_exported() -> None:
+    assert isolate.__all__ == sorted(isolate.__all__)
+    assert all(hasattr(isolate, name) for name in isolate.__all__)
