@@ -1,0 +1,587 @@
+"""reachable_parameters / assert_isolated / gradient_report / gradient_invariance."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from isolate.auditing import (
+    GradientReport,
+    assert_isolated,
+    gradient_invariance,
+    gradient_report,
+    reachable_parameters,
+)
+from isolate.errors import (
+    GradientLeakError,
+    IsolationError,
+    IsolationTypeError,
+    SelectorError,
+)
+
+
+def brute_force(loss: torch.Tensor | list[torch.Tensor], model: nn.Module) -> tuple[str, ...]:
+    """Names whose gradient autograd computes (``is not None``: exact zeros count as reached)."""
+    losses = loss if isinstance(loss, list) else [loss]
+    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    reached: set[int] = set()
+    for out in losses:
+        if not out.requires_grad:
+            continue
+        grads = torch.autograd.grad(
+            out.sum(), [p for _, p in named], retain_graph=True, allow_unused=True
+        )
+        reached |= {id(p) for (_, p), g in zip(named, grads, strict=True) if g is not None}
+    return tuple(n for n, p in named if id(p) in reached)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+        self.probe = nn.Linear(8, 3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.encoder(x)
+        return self.head(features) * self.scale, self.probe(features.detach())
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+X = torch.randn(5, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# reachable_parameters
+
+
+def test_full_model_reaches_every_parameter(net: Net) -> None:
+    main, probe = net(X)
+    names = tuple(n for n, _ in net.named_parameters())
+    assert reachable_parameters([main.sum(), probe.sum()], net) == names
+
+
+def test_detached_branch_reaches_only_its_own_head(net: Net) -> None:
+    _, probe = net(X)
+    loss = probe.pow(2).mean()
+    assert reachable_parameters(loss, net) == ("probe.weight", "probe.bias")
+    assert reachable_parameters(loss, net) == brute_force(loss, net)
+
+
+def test_result_is_in_model_order_not_alphabetical() -> None:
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(12)])
+    out = model(torch.randn(1, 2)).sum()
+    assert reachable_parameters(out, model) == tuple(n for n, _ in model.named_parameters())
+    assert reachable_parameters(out, model)[-2:] == ("11.weight", "11.bias")
+
+
+def test_graph_is_left_intact_for_the_real_backward(net: Net) -> None:
+    main, probe = net(X)
+    loss = main.pow(2).mean() + probe.pow(2).mean()
+    params = list(net.parameters())
+    reference = torch.autograd.grad(loss, params, retain_graph=True)
+    before = [p.grad for p in params]
+    reachable_parameters(loss, net)
+    assert_isolated(probe.sum(), net.encoder)
+    assert before == [None] * len(params)  # the walk writes no .grad
+    loss.backward()  # no "graph freed" error: nothing was consumed
+    for p, ref in zip(params, reference, strict=True):
+        assert p.grad is not None and torch.equal(p.grad, ref)
+
+
+def test_walk_also_works_after_the_graph_was_freed(net: Net) -> None:
+    main, _ = net(X)
+    loss = main.sum()
+    loss.backward()
+    assert reachable_parameters(loss, net) == brute_force_names(net, exclude=("probe",))
+
+
+def brute_force_names(model: nn.Module, *, exclude: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(n for n, _ in model.named_parameters() if not n.startswith(exclude))
+
+
+def test_tied_weights_are_reported_under_every_name() -> None:
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 6)
+            self.body = nn.Linear(6, 6)
+            self.decoder = nn.Linear(6, 10, bias=False)
+            self.decoder.weight = self.embed.weight
+
+    model = TiedLM()
+    tokens = torch.tensor([[1, 2, 3]])
+    hidden = model.body(model.embed(tokens))
+    # Only the decoder use reaches the shared tensor: both of its names are still reported.
+    logits = model.decoder(hidden.detach())
+    assert reachable_parameters(logits.sum(), model) == ("embed.weight", "decoder.weight")
+    assert reachable_parameters(logits.sum(), model) == brute_force(logits.sum(), model)
+    everything = model.decoder(hidden).sum()
+    assert reachable_parameters(everything, model) == (
+        "embed.weight",
+        "body.weight",
+        "body.bias",
+        "decoder.weight",
+    )
+    with pytest.raises(GradientLeakError) as info:
+        assert_isolated(logits.sum(), model.embed, model=model)
+    assert "embed.weight" in str(info.value) and "decoder.weight" in str(info.value)
+
+
+def test_several_outputs_are_walked_together(net: Net) -> None:
+    main, probe = net(X)
+    assert reachable_parameters((probe.sum(),), net) == ("probe.weight", "probe.bias")
+    both = reachable_parameters([main[:, 0].sum(), probe.sum()], net)
+    assert set(both) == {n for n, _ in net.named_parameters()}
+    # Non-scalar outputs are fine too: the walk needs no grad_outputs.
+    assert reachable_parameters([main, probe], net) == both
+
+
+class MulAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w + b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0), grad.sum(0)
+
+
+def test_custom_autograd_function() -> None:
+    model = nn.ParameterDict({"w": nn.Parameter(torch.randn(3)), "b": nn.Parameter(torch.zeros(3))})
+    lin = nn.Linear(3, 3)
+    holder = nn.ModuleDict({"lin": lin, "params": model})
+    out = MulAdd.apply(lin(torch.randn(2, 3)), model["w"], model["b"]).sum()
+    expected = tuple(n for n, _ in holder.named_parameters())
+    assert reachable_parameters(out, holder) == expected == brute_force(out, holder)
+    detached = MulAdd.apply(lin(torch.randn(2, 3)).detach(), model["w"], model["b"]).sum()
+    assert set(reachable_parameters(detached, holder)) == {"params.w", "params.b"}
+
+
+def test_reachability_is_structural_an_upper_bound() -> None:
+    """A Function that returns None for an input still has the edge (see the Note)."""
+
+    class DropGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return x * w
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return grad, None
+
+    model = nn.Linear(2, 2)
+    out = DropGrad.apply(model(torch.randn(1, 2)), model.bias).sum()
+    assert reachable_parameters(out, model) == ("weight", "bias")
+    assert brute_force(out, model) == ("weight", "bias")  # bias: reached through the Linear
+    zero = (model.weight * 0).sum()  # zero gradient, but a path: reached by both answers
+    assert reachable_parameters(zero, model) == brute_force(zero, model) == ("weight",)
+
+
+def test_views_and_in_place_ops() -> None:
+    a, b, c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+    model = nn.ModuleDict({"a": a, "b": b, "c": c})
+    x = torch.randn(4, 3)
+    h = a(x)
+    h[0].mul_(2)  # CopySlices over a view of h
+    h.view(-1)[:3].add_(b(x)[0])  # in place on a view, with b's output
+    flat = h.t().reshape(-1)
+    loss = flat.sum()
+    assert reachable_parameters(loss, model) == brute_force(loss, model)
+    assert reachable_parameters(loss, model) == ("a.weight", "a.bias", "b.weight", "b.bias")
+    # A buffer that did not require grad picks up a path through an in-place write.
+    buf = torch.zeros(2, 3)
+    buf[1].copy_(c(x).mean(0))
+    assert reachable_parameters(buf.sum(), model) == ("c.weight", "c.bias")
+    assert reachable_parameters(buf.sum(), model) == brute_force(buf.sum(), model)
+    # In place on a detached view: the edit changes values but adds no path.
+    d = a(x)
+    d.detach()[0].mul_(3)
+    assert reachable_parameters(d.sum(), model) == ("a.weight", "a.bias")
+
+
+def test_loss_without_grad_fn_reaches_nothing(net: Net) -> None:
+    with torch.no_grad():
+        main, _ = net(X)
+    assert reachable_parameters(main.sum(), net) == ()
+    assert reachable_parameters(torch.tensor(1.0), net) == ()
+    assert reachable_parameters([], net) == ()
+    assert_isolated(main.sum(), net)
+
+
+def test_a_parameter_that_is_its_own_loss_reaches_itself(net: Net) -> None:
+    assert reachable_parameters(net.scale, net) == ("scale",)
+
+
+def test_frozen_parameters_are_never_reached(net: Net) -> None:
+    net.encoder.requires_grad_(False)
+    main, _ = net(X)
+    assert reachable_parameters(main.sum(), net) == ("scale", "head.weight", "head.bias")
+    assert reachable_parameters(main.sum(), net) == brute_force(main.sum(), net)
+
+
+def test_deep_graph_needs_no_recursion() -> None:
+    layer = nn.Linear(2, 2)
+    h = layer(torch.randn(1, 2))
+    for _ in range(3 * sys.getrecursionlimit()):
+        h = h * 1.0001
+    assert reachable_parameters(h.sum(), layer) == ("weight", "bias")
+
+
+def test_diamonds_are_visited_once() -> None:
+    """A graph whose routes double at every level: exponential without a visited set."""
+    layer = nn.Linear(2, 2)
+    h = layer(torch.randn(1, 2))
+    for _ in range(60):
+        h = h + h.tanh()
+    assert reachable_parameters(h.sum(), layer) == ("weight", "bias")
+
+
+def test_reentrant_checkpoint_hides_parameters_and_warns() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    x = torch.randn(1, 2, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"^reachable_parameters\(\): .*use_reentrant=False"):
+        out = checkpoint(model, x, use_reentrant=True)
+        hidden = reachable_parameters(out.sum(), model)
+    assert hidden == ()  # the blind spot the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = checkpoint(model, x, use_reentrant=False)
+        assert reachable_parameters(out.sum(), model) == brute_force(out.sum(), model)
+        assert len(reachable_parameters(out.sum(), model)) == 4
+
+
+@pytest.mark.parametrize(
+    ("loss", "model", "message"),
+    [
+        (1.0, nn.Linear(1, 1), r"^reachable_parameters\(\): loss must be a torch.Tensor"),
+        ("loss", nn.Linear(1, 1), r"^reachable_parameters\(\): loss must be"),
+        ([torch.ones(1), 2.0], nn.Linear(1, 1), r"^reachable_parameters\(\): .*float at index 1"),
+        (torch.ones(1), [nn.Linear(1, 1)], r"^reachable_parameters\(\): model must be"),
+    ],
+)
+def test_wrong_types(loss: Any, model: Any, message: str) -> None:
+    with pytest.raises(IsolationTypeError, match=message) as info:
+        reachable_parameters(loss, model)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, IsolationError)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_layers=st.integers(1, 6),
+    cut=st.integers(0, 6),
+    frozen=st.sets(st.integers(0, 5)),
+    skip=st.booleans(),
+)
+def test_random_chains_agree_with_brute_force(
+    n_layers: int, cut: int, frozen: set[int], skip: bool
+) -> None:
+    torch.manual_seed(n_layers)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(n_layers)])
+    for i in frozen & set(range(n_layers)):
+        model[i].requires_grad_(False)
+    h = torch.randn(2, 3)
+    first = None
+    for i, layer in enumerate(model):
+        if i == cut:
+            h = h.detach()
+        h = layer(h)
+        if first is None:
+            first = h
+    loss = h.sum() + (first.sum() if skip and first is not None else 0)
+    assert reachable_parameters(loss, model) == brute_force(loss, model)
+
+
+# --------------------------------------------------------------------------------------------
+# assert_isolated
+
+
+def test_assert_isolated_passes_through_a_cut(net: Net) -> None:
+    _, probe = net(X)
+    assert assert_isolated(probe.sum(), net.encoder) is None
+    assert_isolated(probe.sum(), [net.encoder, net.head])
+    assert_isolated(probe.sum(), "encoder", model=net)
+
+
+def test_assert_isolated_names_parameter_owner_and_operation(net: Net) -> None:
+    main, _ = net(X)
+    with pytest.raises(GradientLeakError, match=r"^assert_isolated\(\): ") as info:
+        assert_isolated(main.sum(), net.encoder, model=net)
+    message = str(info.value)
+    assert "reaches 4 of 4 protected parameters" in message
+    for name in ("encoder.0.weight", "encoder.0.bias", "encoder.2.weight", "encoder.2.bias"):
+        assert f"\n  {name}" in message
+    assert "in 'encoder.2' (Linear); consumed by AddmmBackward0 (through TBackward0)" in message
+    assert "Shortest route, to encoder.2.bias: SumBackward0 -> MulBackward0 -> " in message
+    assert "Fix: " in message
+    assert isinstance(info.value, AssertionError)
+
+
+def test_assert_isolated_lists_only_the_leaks(net: Net) -> None:
+    h = net.encoder[0](X)
+    loss = net.head(net.encoder[2](h.detach().relu())).sum()
+    with pytest.raises(GradientLeakError) as info:
+        assert_isolated(loss, net.encoder, model=net)
+    message = str(info.value)
+    assert "reaches 2 of 4" in message
+    assert "encoder.2.weight" in message and "encoder.0" not in message
+
+
+@pytest.mark.parametrize(
+    "protected",
+    [
+        pytest.param(lambda n: n.encoder, id="module"),
+        pytest.param(lambda n: [n.encoder[0], n.encoder[2]], id="modules"),
+        pytest.param(lambda n: n.encoder.named_parameters(), id="pairs"),
+        pytest.param(lambda n: dict(n.encoder.named_parameters()), id="mapping"),
+        pytest.param(lambda n: list(n.encoder.parameters()), id="parameters"),
+        pytest.param(lambda n: n.encoder[2].weight, id="parameter"),
+    ],
+)
+def test_assert_isolated_accepts_every_form(net: Net, protected: Any) -> None:
+    main, probe = net(X)
+    assert_isolated(probe.sum(), protected(net))
+    with pytest.raises(GradientLeakError, match=r"^assert_isolated\(\): the loss reaches"):
+        assert_isolated(main.sum(), protected(net))
+
+
+def test_names_without_a_model_are_relative(net: Net) -> None:
+    main, _ = net(X)
+    with pytest.raises(GradientLeakError) as info:
+        assert_isolated(main.sum(), [net.encoder[0], net.head])
+    assert "\n  [0].weight" in str(info.value) and "\n  [1].bias" in str(info.value)
+    with pytest.raises(GradientLeakError) as info:
+        assert_isolated(main.sum(), list(net.head.parameters()))
+    assert "<tensor #0, shape (2, 8)>" in str(info.value)
+    with pytest.raises(GradientLeakError) as info:
+        assert_isolated(main.sum(), list(net.head.parameters()), model=net)
+    assert "\n  head.weight" in str(info.value)
+
+
+def test_selectors_and_input_tensors(net: Net) -> None:
+    x = X.clone().requires_grad_()
+    main, probe = net(x)
+    with pytest.raises(GradientLeakError, match=r"head\.bias"):
+        assert_isolated(main.sum(), ["*.bias"], model=net)
+    # Any leaf can be protected by name: here the input itself.
+    assert_isolated(probe.sum(), [("x", x)])
+    with pytest.raises(GradientLeakError, match=r"\n  x  "):
+        assert_isolated(main.sum(), [("x", x)])
+
+
+def test_assert_isolated_errors(net: Net) -> None:
+    main, _ = net(X)
+    with pytest.raises(SelectorError, match=r"^assert_isolated\(\): 'nope\.\*' matched no"):
+        assert_isolated(main.sum(), "nope.*", model=net)
+    with pytest.raises(IsolationTypeError, match=r"^assert_isolated\(\): the selector 'encoder'"):
+        assert_isolated(main.sum(), "encoder")
+    with pytest.raises(SelectorError, match=r"^assert_isolated\(\): the Linear passed is not a"):
+        assert_isolated(main.sum(), nn.Linear(1, 1), model=net)
+    with pytest.raises(IsolationTypeError, match=r"^assert_isolated\(\): item 0 is a int"):
+        assert_isolated(main.sum(), [3])
+    with pytest.raises(IsolationTypeError, match=r"^assert_isolated\(\): cannot tell"):
+        assert_isolated(main.sum(), 3)  # type: ignore[arg-type]
+    with pytest.raises(IsolationTypeError, match=r"^assert_isolated\(\): loss must be"):
+        assert_isolated(None, net)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# gradient_report
+
+
+def _flat_grads(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    return list(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True))
+
+
+def test_report_values_match_a_direct_computation(net: Net) -> None:
+    main, probe = net(X)
+    losses = {"main": main.pow(2).mean(), "probe": probe.pow(2).mean()}
+    report = gradient_report(losses, net)
+    assert isinstance(report, GradientReport)
+    assert list(report.groups) == ["(root)", "encoder", "head", "probe"]
+    assert report.losses == ("main", "probe")
+    enc = list(net.encoder.parameters())
+    g_main = _flat_grads(losses["main"], enc)
+    expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in g_main if g is not None))
+    assert report["encoder"].norms["main"] == pytest.approx(expected, rel=1e-12)
+    assert report["encoder"].norms["probe"] is None  # no path at all
+    assert report["encoder"].shares["probe"] is None
+    assert report["probe"].norms["main"] is None
+    assert report["probe"].shares["probe"] == pytest.approx(1.0)
+    shares = [s.shares["main"] for s in report.groups.values() if s.shares["main"] is not None]
+    assert sum(shares) == pytest.approx(1.0)
+    assert report.total.numel == sum(p.numel() for p in net.parameters())
+    assert report["encoder"].parameters == tuple(
+        f"encoder.{n}" for n, _ in net.encoder.named_parameters()
+    )
+    assert report["head"].cosines[("main", "probe")] is None
+    assert report.total.cosines[("main", "probe")] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_report_cosines(net: Net) -> None:
+    main, _ = net(X)
+    base = main.pow(2).mean()
+    report = gradient_report({"a": base, "twice": 2 * base, "minus": -base}, net)
+    enc = report["encoder"].cosines
+    assert enc[("a", "twice")] == pytest.approx(1.0)
+    assert enc[("a", "minus")] == pytest.approx(-1.0)
+    assert report["encoder"].norms["twice"] == pytest.approx(2 * report["encoder"].norms["a"])
+
+
+def test_report_touches_no_grad_and_keeps_the_graph(net: Net) -> None:
+    main, probe = net(X)
+    loss = main.sum() + probe.sum()
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    gradient_report({"loss": loss}, net)
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in net.parameters())
+    loss.backward()  # the graph is still there
+
+
+def test_report_groups_by_selector(net: Net) -> None:
+    main, probe = net(X)
+    losses = {"main": main.sum(), "probe": probe.sum()}
+    by_list = gradient_report(losses, net, groups=["encoder", "*.bias"])
+    assert list(by_list.groups) == ["encoder", "*.bias", "(rest)"]
+    assert by_list["*.bias"].parameters == (
+        "encoder.0.bias",
+        "encoder.2.bias",
+        "head.bias",
+        "probe.bias",
+    )
+    assert by_list["(rest)"].parameters == ("scale", "head.weight", "probe.weight")
+    by_map = gradient_report(
+        losses, net, groups={"trunk": ["encoder.0", "encoder.2"], "top": "head"}
+    )
+    assert by_map["trunk"].parameters == by_list["encoder"].parameters
+    assert by_map["top"].norms["probe"] is None
+    with pytest.raises(SelectorError, match=r"^gradient_report\(\): 'decoder' matched no"):
+        gradient_report(losses, net, groups=["decoder"])
+
+
+def test_report_prints_an_aligned_table_and_converts(net: Net) -> None:
+    main, probe = net(X)
+    report = gradient_report({"main": main.sum(), "probe": probe.sum()}, net)
+    lines = str(report).splitlines()
+    assert lines[0].split() == [
+        "group",
+        "params",
+        "|g|",
+        "main",
+        "share",
+        "main",
+        "|g|",
+        "probe",
+        "share",
+        "probe",
+        "cos(main,probe)",
+    ]
+    assert len({len(line) for line in lines}) == 1  # every row as wide as the header
+    assert [line.split()[0] for line in lines if not line.startswith("-")] == [
+        "group",
+        "(root)",
+        "encoder",
+        "head",
+        "probe",
+        "total",
+    ]
+    probe_row = next(line for line in lines if line.startswith("probe"))
+    assert probe_row.split()[2] == "-"  # main does not reach the probe: no norm at all
+    data = json.loads(report.to_json())
+    assert data == report.to_dict()
+    assert data["groups"]["encoder"]["norm"]["probe"] is None
+    assert data["groups"]["encoder"]["cosine"] == {"main|probe": None}
+    assert data["total"]["numel"] == report.total.numel
+
+
+def test_report_of_a_loss_without_graph(net: Net) -> None:
+    main, _ = net(X)
+    report = gradient_report({"main": main.sum(), "constant": torch.tensor(3.0)}, net)
+    assert report.total.norms["constant"] is None
+    assert report.total.norms["main"] is not None
+
+
+@pytest.mark.parametrize(
+    ("losses", "groups", "message"),
+    [
+        ({"a": torch.ones(3, requires_grad=True)}, None, r"loss 'a' must be a scalar .*\(3,\)"),
+        ({}, None, r"losses must be a non-empty mapping"),
+        ([torch.ones(())], None, r"losses must be a non-empty mapping"),
+        ({"a": 1.0}, None, r"loss 'a' must be a scalar tensor, got float"),
+        ({"a": torch.ones(())}, 3, r"groups must be None"),
+        ({"a": torch.ones(())}, [nn.Linear(1, 1)], r"a list of groups must hold selector strings"),
+    ],
+)
+def test_report_errors(net: Net, losses: Any, groups: Any, message: str) -> None:
+    with pytest.raises(IsolationTypeError, match=r"^gradient_report\(\): " + message):
+        gradient_report(losses, net, groups=groups)
+
+
+# --------------------------------------------------------------------------------------------
+# gradient_invariance
+
+
+def test_invariance_is_exactly_zero_when_isolated(net: Net) -> None:
+    main, probe = net(X)
+    main_loss = main.pow(2).mean()
+    total = main_loss + 0.3 * probe.pow(2).mean()
+    result = gradient_invariance(main_loss, total, net.encoder, model=net)
+    assert result.max_delta == 0.0
+    assert result.isolated
+    assert result.deltas == dict.fromkeys(
+        ("encoder.0.weight", "encoder.0.bias", "encoder.2.weight", "encoder.2.bias"), 0.0
+    )
+    assert result.changed() == {}
+
+
+def test_invariance_measures_a_leak(net: Net) -> None:
+    features = net.encoder(X)
+    main_loss = net.head(features).pow(2).mean()
+    aux = net.probe(features).pow(2).mean()
+    result = gradient_invariance(main_loss, main_loss + aux, net.encoder, model=net)
+    assert not result.isolated
+    aux_grad = torch.autograd.grad(aux, net.encoder[2].bias, retain_graph=True)[0]
+    assert result.deltas["encoder.2.bias"] == pytest.approx(float(aux_grad.abs().max()), rel=1e-5)
+    assert result.max_delta == max(result.deltas.values())
+    assert list(result.changed()) == sorted(result.deltas, key=lambda n: -result.deltas[n])
+
+
+def test_invariance_on_a_parameter_only_the_aux_loss_reaches(net: Net) -> None:
+    main, probe = net(X)
+    main_loss = main.sum()
+    result = gradient_invariance(main_loss, main_loss + probe.sum(), net.probe.bias)
+    assert result.max_delta == float(torch.full((3,), 5.0).max())  # d(sum)/d(bias) = batch size
+    frozen = gradient_invariance(main_loss, main_loss, net.encoder.requires_grad_(False))
+    assert frozen.max_delta == 0.0 and len(frozen.deltas) == 4
+
+
+def test_invariance_note_main_loss_must_have_weight_one(net: Net) -> None:
+    main, _ = net(X)
+    main_loss = main.pow(2).mean()
+    assert gradient_invariance(main_loss, 0.5 * main_loss, net.encoder).max_delta > 0
+
+
+def test_invariance_errors(net: Net) -> None:
+    main, _ = net(X)
+    with pytest.raises(IsolationTypeError, match=r"^gradient_invariance\(\): main_loss must be"):
+        gradient_invariance(main, main.sum(), net)
+    with pytest.raises(IsolationTypeError, match=r"^gradient_invariance\(\): total_loss must be"):
+        gradient_invariance(main.sum(), 1.0, net)  # type: ignore[arg-type]
