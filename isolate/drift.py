@@ -167,7 +167,9 @@ class Snapshot:
             flag = ""
             if entry.kind == "parameter" and now is not None:
                 flag = f", requires_grad={now.requires_grad}"
-            replaced = ", replaced by a new object" if now is not entry.live else ""
+            replaced = (
+                ", replaced by a new object" if now is not None and now is not entry.live else ""
+            )
             lines.append(f"  {entry.name:<{width}}  ({entry.kind}{flag}{replaced}) {detail}")
         hints = []
         if any(e.kind == "parameter" for e, _, _ in moved):
@@ -389,6 +391,8 @@ def optimizer_exposure(
             decay = group.get("weight_decay", 0.0)
             if decay:
                 reasons.append(f"weight_decay={decay} shrinks it on every step")
+            if group.get("lambd"):  # ASGD decays every parameter it steps, weight decay or not
+                reasons.append(f"lambd={group['lambd']} (ASGD) shrinks it on every step")
             state = optimizer.state.get(p, {})
             for key in _MOMENTUM_STATE:
                 value = state.get(key)
