@@ -1,0 +1,151 @@
+"""isolate.testing: the assertion helpers, and the module as a pytest plugin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import isolate.testing as plugin
+from isolate.auditing import assert_isolated as auditing_assert_isolated
+from isolate.drift import Snapshot
+from isolate.errors import DriftError, GradientLeakError
+from isolate.testing import assert_gradient_invariance, assert_isolated, assert_unchanged
+
+pytest_plugins = ["pytester"]
+
+
+def test_assert_isolated_is_the_auditing_one() -> None:
+    assert assert_isolated is auditing_assert_isolated
+
+
+def test_assert_unchanged_passes_and_yields_the_snapshot() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model[1].eval()
+    with assert_unchanged(model[:2]) as snap:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).pow(2).mean().backward()
+            opt.step()
+    assert isinstance(snap, Snapshot)
+    assert snap.names[-1] == "1.num_batches_tracked"
+
+
+def test_assert_unchanged_names_what_moved() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    with (
+        pytest.raises(DriftError, match=r"^assert_unchanged\(\): 2 of 2 tensors changed") as info,
+        assert_unchanged(model, parameters="frozen"),
+    ):
+        for p in model[0].parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    assert "0.weight" in str(info.value) and "in 9 of 9 elements" in str(info.value)
+
+
+def test_assert_unchanged_lets_the_block_exception_through() -> None:
+    bn = nn.BatchNorm1d(2)
+    with pytest.raises(KeyError), assert_unchanged(bn):
+        bn(torch.randn(4, 2))  # moves the statistics, but the KeyError is what the user sees
+        raise KeyError("boom")
+
+
+def test_assert_unchanged_with_atol() -> None:
+    model = nn.Linear(2, 1)
+    with assert_unchanged(model, atol=0.1), torch.no_grad():
+        model.bias.add_(0.05)
+
+
+def test_assert_gradient_invariance() -> None:
+    torch.manual_seed(0)
+    encoder, head, probe = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 2)
+    model = nn.ModuleDict({"encoder": encoder, "head": head, "probe": probe})
+    features = encoder(torch.randn(4, 3))
+    main = head(features).pow(2).mean()
+    assert_gradient_invariance(main, main + probe(features.detach()).pow(2).mean(), encoder)
+    leaky = main + probe(features).pow(2).mean()
+    with pytest.raises(
+        GradientLeakError, match=r"^assert_gradient_invariance\(\): the auxiliary losses change"
+    ) as info:
+        assert_gradient_invariance(main, leaky, "encoder", model=model)
+    message = str(info.value)
+    assert "2 of 2 protected parameters (atol=0.0)" in message
+    assert "\n  encoder.weight  max|Δ|=" in message and "encoder.bias" in message
+    assert_gradient_invariance(main, leaky, "encoder", model=model, atol=1e6)
+    # Reaching the head, not the encoder, is fine.
+    assert_gradient_invariance(main, main + head.weight.sum(), encoder)
+
+
+def test_fixture_from_the_installed_plugin(isolation_snapshot: Callable[..., Snapshot]) -> None:
+    model = nn.Linear(2, 2)
+    snap = isolation_snapshot(model, buffers=False)
+    assert isinstance(snap, Snapshot) and snap.names == ("weight", "bias")
+    snap.assert_unchanged()
+
+
+def test_plugin_is_registered_once_under_its_entry_point_name(
+    pytestconfig: pytest.Config,
+) -> None:
+    """The suite's own --doctest-modules import of isolate/testing.py is the same module."""
+    manager = pytestconfig.pluginmanager
+    assert manager.get_plugin("isolate") is plugin
+    assert [name for name, p in manager.list_name_plugin() if p is plugin] == ["isolate"]
+    assert sys.modules["isolate.testing"] is plugin
+
+
+INNER_TEST = """
+    import torch
+    import pytest
+
+    def test_snapshot_fixture(isolation_snapshot):
+        model = torch.nn.BatchNorm1d(2)
+        snap = isolation_snapshot(model)
+        model(torch.randn(4, 2))
+        with pytest.raises(AssertionError, match="running_mean"):
+            snap.assert_unchanged()
+"""
+
+
+def test_plugin_loads_by_entry_point_in_a_fresh_session(pytester: pytest.Pytester) -> None:
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        pytest.skip("entry-point plugins are disabled in this environment")
+    pytester.makepyfile(test_inner=textwrap.dedent(INNER_TEST))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_plugin_loads_by_name_without_autoload(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makepyfile(test_inner=textwrap.dedent(INNER_TEST))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "isolate")
+    result.assert_outcomes(passed=1)
+    missing = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    missing.assert_outcomes(errors=1)  # no plugin, no fixture
+
+
+def test_helpers_import_without_pytest() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["pytest"] = None  # any import of pytest now fails
+        import torch, isolate
+        assert "isolate.testing" not in sys.modules  # only an explicit import loads it
+        import isolate.testing as t
+        with t.assert_unchanged(torch.nn.Linear(2, 2)):
+            pass
+        print(hasattr(t, "isolation_snapshot"))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
