@@ -407,3 +407,23 @@ def test_frozen_refuses_double_wrapping_and_non_modules(net: Net) -> None:
 def test_public_names_are_sorted_and_exported() -> None:
     assert isolate.__all__ == sorted(isolate.__all__)
     assert all(hasattr(isolate, name) for name in isolate.__all__)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.decode = nn.Linear(4, 10, bias=False)
+        self.decode.weight = self.embed.weight  # tied
+
+
+def test_tied_parameters_go_by_their_first_name_and_match_every_alias() -> None:
+    model = Tied()
+    assert [n for n, _ in model.named_parameters()] == ["embed.weight", "body.weight", "body.bias"]
+    with frozen(model, "decode") as handle:
+        assert handle.names == ("embed.weight",)
+        assert not model.decode.weight.requires_grad and model.body.weight.requires_grad
+    with frozen(model) as everything:
+        assert everything.names == ("embed.weight", "body.weight", "body.bias")
+    assert all(p.requires_grad for p in model.parameters())

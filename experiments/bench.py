@@ -1,0 +1,386 @@
+"""Benchmarks: what isolation costs and what it saves, each as a ratio against its baseline
+measured in the same run.
+
+Run ``python -m experiments.bench`` (``--quick`` for small sizes). Results are printed as a
+Markdown table and written to ``outputs/bench/bench.json`` and ``outputs/bench/bench.md``.
+
+Every figure is the median of interleaved repeats (A, B, A, B, ...) after warm-up, so slow
+phases of a shared machine hit both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import isolate
+from isolate.auditing import gradient_report, reachable_parameters
+
+
+@dataclass
+class Row:
+    """One comparison: the candidate's median time over the baseline's."""
+
+    name: str
+    candidate: str
+    baseline: str
+    candidate_s: float
+    baseline_s: float
+    target: str
+    ok: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.candidate_s / self.baseline_s
+
+
+def _median_pair(
+    candidate: Callable[[], object], baseline: Callable[[], object], *, warmup: int, repeat: int
+) -> tuple[float, float]:
+    for _ in range(warmup):
+        candidate()
+        baseline()
+    times_c: list[float] = []
+    times_b: list[float] = []
+    for i in range(repeat):
+        # Alternate which side goes first so neither always runs on a warmer cache.
+        order = [(candidate, times_c), (baseline, times_b)]
+        for fn, bucket in order if i % 2 == 0 else reversed(order):
+            gc.collect()
+            start = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - start)
+    return statistics.median(times_c), statistics.median(times_b)
+
+
+def _median(fn: Callable[[], object], *, warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# --- networks ----------------------------------------------------------------------------
+
+
+def mnist_net() -> tuple[nn.Module, nn.Module, Callable[[int], torch.Tensor]]:
+    trunk = nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(),
+    )  # fmt: skip
+    return trunk, nn.Linear(128, 10), lambda n: torch.randn(n, 1, 28, 28)
+
+
+def resnet_net(size: int) -> tuple[nn.Module, nn.Module, Callable[[int], torch.Tensor]]:
+    import torchvision
+
+    resnet = torchvision.models.resnet18(weights=None)
+    resnet.fc = nn.Identity()  # type: ignore[assignment]
+    return resnet, nn.Linear(512, 10), lambda n: torch.randn(n, 3, size, size)
+
+
+def _step_fn(
+    trunk: nn.Module,
+    head: nn.Module,
+    aux: nn.Module,
+    feed: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> Callable[[], None]:
+    params = [*trunk.parameters(), *head.parameters(), *aux.parameters()]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        features = trunk(x)
+        main = nn.functional.cross_entropy(head(features), y)
+        side = nn.functional.cross_entropy(feed(features), y)
+        (main + side).backward()
+        optimizer.step()
+
+    return step
+
+
+class _ReverseByHand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+def bench_wrappers(quick: bool) -> list[Row]:
+    rows = []
+    nets = {
+        "MNIST CNN, batch 128": (mnist_net, 128),
+        "ResNet-18, batch 16 of 64x64" if not quick else "ResNet-18, batch 4 of 32x32": (
+            (lambda: resnet_net(64 if not quick else 32)),
+            16 if not quick else 4,
+        ),
+    }
+    for label, (build, batch) in nets.items():
+        torch.manual_seed(0)
+        trunk, head, _ = build()
+        x = build()[2](batch)
+        y = torch.randint(0, 10, (batch,))
+        width = head.in_features  # type: ignore[union-attr]
+        side = nn.Linear(width, 10)
+        pairs: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., Any]]] = {
+            "Detached vs x.detach()": (isolate.Detached(side), lambda f: side(f.detach())),
+            "Cloned vs x.clone()": (isolate.Cloned(side), lambda f: side(f.clone())),
+            "GradientScale(-1) vs hand-written reversal": (
+                nn.Sequential(isolate.GradientScale(-1.0), side),
+                lambda f: side(_ReverseByHand.apply(f)),
+            ),
+        }
+        for name, (wrapped, by_hand) in pairs.items():
+            candidate = _step_fn(trunk, head, side, wrapped, x, y)
+            baseline = _step_fn(trunk, head, side, by_hand, x, y)
+            c, b = _median_pair(candidate, baseline, warmup=2, repeat=6 if quick else 30)
+            rows.append(
+                Row(f"{name} ({label})", name.split(" vs ")[0], name.split(" vs ")[1], c, b,
+                    "<= 1.02", c / b <= 1.02)  # fmt: skip
+            )
+            if isinstance(wrapped, isolate.Detached | isolate.Cloned):
+                wrapped.unwrap()
+    return rows
+
+
+def bench_freeze(quick: bool) -> list[Row]:
+    from pytorch_lightning.callbacks import BaseFinetuning
+
+    count = 1000 if quick else 5000  # two parameter tensors per layer
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(count))  # type: ignore[assignment]
+    params = list(model.parameters())
+
+    def with_isolate() -> None:
+        isolate.freeze(model, "blocks.*.weight", "blocks.*.bias").restore()
+
+    def by_hand() -> None:
+        flags = [p.requires_grad for p in params]
+        for p in params:
+            p.requires_grad_(False)
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
+
+    def with_lightning() -> None:
+        BaseFinetuning.freeze(model.blocks, train_bn=True)
+        BaseFinetuning.make_trainable(model.blocks)
+
+    repeat = 5 if quick else 15
+    c, b = _median_pair(with_isolate, by_hand, warmup=1, repeat=repeat)
+    lightning = _median(with_lightning, warmup=1, repeat=3 if quick else 5)
+    return [
+        Row(f"freeze+restore, {len(params)} tensors, glob selectors", "isolate.freeze",
+            "bare requires_grad loop", c, b, "<= 1.5", c / b <= 1.5),
+        Row(f"freeze+restore, {len(params)} tensors", "isolate.freeze",
+            "BaseFinetuning.freeze+make_trainable", c, lightning, "<= 0.1", c / lightning <= 0.1),
+    ]  # fmt: skip
+
+
+def bench_reachability(quick: bool) -> list[Row]:
+    rows = []
+    torch.manual_seed(0)
+    resnet, _, make = resnet_net(32 if quick else 128)
+    batch = 4 if quick else 32
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(128 if quick else 512, 8, batch_first=True),
+        num_layers=2 if quick else 12,
+        enable_nested_tensor=False,
+    )
+    tokens = torch.randn(batch, 32 if quick else 128, 128 if quick else 512)
+    cases = {
+        f"ResNet-18, {batch} images": (resnet, lambda: resnet(make(batch)).square().mean()),
+        "Transformer encoder": (encoder, lambda: encoder(tokens).square().mean()),
+    }
+    for label, (model, loss_fn) in cases.items():
+        walks, backwards = [], []
+        for _ in range(2 if quick else 3):
+            loss = loss_fn()
+            walks.append(_median(lambda: reachable_parameters(loss, model), warmup=1, repeat=5))
+            start = time.perf_counter()
+            loss.backward()
+            backwards.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+        c, b = statistics.median(walks), statistics.median(backwards)
+        rows.append(Row(f"reachable_parameters ({label})", "graph walk", "one backward pass",
+                        c, b, "<= 0.02", c / b <= 0.02))  # fmt: skip
+    return rows
+
+
+def bench_report(quick: bool) -> list[Row]:
+    torch.manual_seed(0)
+    trunk, head, make = mnist_net()
+    aux = [nn.Linear(128, 10) for _ in range(3)]
+    model = nn.ModuleDict({"trunk": trunk, "head": head, "aux": nn.ModuleList(aux)})
+    x, y = make(64), torch.randint(0, 10, (64,))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def losses() -> dict[str, torch.Tensor]:
+        features = trunk(x)
+        out = {"main": nn.functional.cross_entropy(head(features), y)}
+        for i, branch in enumerate(aux):
+            out[f"aux{i}"] = nn.functional.cross_entropy(branch(features), y)
+        return out
+
+    def with_report() -> None:
+        gradient_report(losses(), model)
+
+    def by_hand() -> None:
+        named = losses()
+        for loss in named.values():
+            torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+
+    c, b = _median_pair(with_report, by_hand, warmup=1, repeat=5 if quick else 15)
+    return [Row("gradient_report, K=4 losses (MNIST CNN)", "gradient_report",
+                "K autograd.grad passes", c, b, "<= 1.1", c / b <= 1.1)]  # fmt: skip
+
+
+def _saved_bytes(fn: Callable[[], object]) -> int:
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def bench_frozen(quick: bool) -> list[Row]:
+    from pytorch_lightning.callbacks import BaseFinetuning
+
+    torch.manual_seed(0)
+    trunk, head, make = resnet_net(32 if quick else 64)
+    batch = 4 if quick else 16
+    x, y = make(batch), torch.randint(0, 10, (batch,))
+    optimizer = torch.optim.SGD(head.parameters(), lr=1e-3)
+
+    def step(module: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(head(module(x)), y).backward()
+            optimizer.step()
+
+        return run
+
+    trunk.train()
+    trained = step(trunk)
+    mem_trained = _saved_bytes(trained)
+    t_trained = _median(trained, warmup=1, repeat=3 if quick else 7)
+
+    handle = isolate.freeze(trunk, bn="eval")
+    mem_flags = _saved_bytes(step(trunk))
+    t_flags = _median(step(trunk), warmup=1, repeat=3 if quick else 7)
+    handle.restore()
+
+    BaseFinetuning.freeze(trunk, train_bn=False)
+    mem_lightning = _saved_bytes(step(trunk))
+    t_lightning = _median(step(trunk), warmup=1, repeat=3 if quick else 7)
+    BaseFinetuning.make_trainable(trunk)
+
+    wrapped = isolate.Frozen(trunk)
+    mem_frozen = _saved_bytes(step(wrapped))
+    t_frozen = _median(step(wrapped), warmup=1, repeat=3 if quick else 7)
+    wrapped.unwrap()
+
+    best = min(t_trained, t_flags, t_lightning)
+    extra = {
+        "saved activation bytes": {
+            "trained trunk": mem_trained,
+            "requires_grad=False by hand": mem_flags,
+            "BaseFinetuning.freeze": mem_lightning,
+            "Frozen": mem_frozen,
+        },
+        "step seconds": {
+            "trained trunk": t_trained,
+            "requires_grad=False by hand": t_flags,
+            "BaseFinetuning.freeze": t_lightning,
+            "Frozen": t_frozen,
+        },
+    }
+    # Medians of separate runs: allow the noise of a shared machine, 3%.
+    return [Row("Frozen(trunk) step, ResNet-18 trunk", "Frozen", "best of trained / by hand / "
+                "BaseFinetuning", t_frozen, best, "<= 1.03 and no saved activations in the trunk",
+                t_frozen <= 1.03 * best and mem_frozen <= mem_flags, extra)]  # fmt: skip
+
+
+SECTIONS: dict[str, Callable[[bool], list[Row]]] = {
+    "wrappers": bench_wrappers,
+    "freeze": bench_freeze,
+    "reachability": bench_reachability,
+    "report": bench_report,
+    "frozen": bench_frozen,
+}
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| benchmark | candidate | baseline | candidate ms | baseline ms | ratio | target | met |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.name} | {r.candidate} | {r.baseline} | {1e3 * r.candidate_s:.3f} | "
+            f"{1e3 * r.baseline_s:.3f} | {r.ratio:.3f} | {r.target} | {'yes' if r.ok else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument("--output", default="outputs/bench", help="folder for bench.json/md")
+    parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "quick": args.quick,
+    }
+    rows: list[Row] = []
+    for name in args.only or SECTIONS:
+        print(f"[bench] {name} ...", flush=True)
+        rows.extend(SECTIONS[name](args.quick))
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(rows)
+    header = ", ".join(f"{k} {v}" for k, v in env.items())
+    (out / "bench.md").write_text(f"{header}\n\n{text}\n")
+    payload = {"env": env, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}
+    (out / "bench.json").write_text(json.dumps(payload, indent=2))
+    print(header)
+    print(text)
+    for r in rows:
+        if r.extra:
+            print(f"\n{r.name}: {json.dumps(r.extra, indent=1)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
