@@ -83,8 +83,9 @@ class Detached(Wrapper):
         them in place corrupts the main features: backward then fails with "modified by an
         inplace operation" or, when the backward of the main op does not need the edited
         value, training silently continues on corrupted features. Under
-        ``torch.inference_mode()`` tensors have no version counter, so with
-        ``inplace="error"`` inference tensors are copied instead of checked.
+        ``torch.inference_mode()`` tensors have no version counter, and inside a
+        ``torch.compile`` region version counters cannot be compared, so with
+        ``inplace="error"`` those inputs are copied instead of checked.
 
     >>> trunk, probe = nn.Linear(4, 4), Detached(nn.Linear(4, 2))
     >>> features = trunk(torch.randn(3, 4))
@@ -105,7 +106,10 @@ class Detached(Wrapper):
         self.name = name or type(branch).__name__
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.inplace == "copy":
+        if self.inplace == "copy" or torch.compiler.is_compiling():
+            # Version counters are data-dependent in a compiled graph and cannot be compared
+            # there, so compiled code gets copies (which the compiler drops when the branch
+            # does not edit them).
             args, kwargs = _copies((args, kwargs))
             return self.module(*args, **kwargs)
         inputs = map_tensors(_detach_or_copy, (args, kwargs))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,14 @@ __all__ = ["FreezeHandle", "Frozen", "freeze", "frozen", "is_frozen", "unfreeze"
 
 BNPolicy = Literal["eval", "train"]
 _BN_POLICIES = ("eval", "train")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _outside_compile(fn: _F) -> _F:
+    """Keep ``fn`` out of compiled graphs: a flag flipped while tracing would be baked in."""
+    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+
 
 _sequence = itertools.count()
 _active: weakref.WeakSet[FreezeHandle] = weakref.WeakSet()
@@ -111,6 +119,7 @@ class FreezeHandle:
         """Whether :meth:`restore` has yet to be called."""
         return self._active
 
+    @_outside_compile
     def restore(self) -> None:
         """Write back the ``requires_grad`` flags and BatchNorm modes recorded at the call.
 
@@ -156,6 +165,7 @@ def _check_bn(bn: object, caller: str) -> str:
     return str(bn)
 
 
+@_outside_compile
 def freeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "eval") -> FreezeHandle:
     """Stop the selected parameters from learning and return the undo.
 
@@ -202,6 +212,7 @@ def freeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "eval") -> Fre
     return FreezeHandle(model, caller, selection.params, dict(selection.norms), False, policy)
 
 
+@_outside_compile
 def unfreeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "train") -> FreezeHandle:
     """Let the selected parameters learn again and return the undo.
 
