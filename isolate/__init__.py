@@ -4,14 +4,24 @@ Freeze parameter subsets, detach auxiliary branches, clone shared features, each
 exact undo, and prove that a loss cannot reach what it must not touch.
 """
 
+from isolate.auditing import (
+    GradientInvariance,
+    GradientReport,
+    assert_isolated,
+    gradient_invariance,
+    gradient_report,
+    reachable_parameters,
+)
 from isolate.cloning import Cloned, clone
 from isolate.detaching import Detached, GradientScale, scale_gradient, stop_gradient
+from isolate.drift import Exposure, Snapshot, optimizer_exposure, snapshot
 from isolate.errors import (
     DriftError,
     GradientLeakError,
     InplaceModificationError,
     IsolationError,
     IsolationTypeError,
+    IsolationWarning,
     RestoreError,
     SelectorError,
     WrappingError,
@@ -22,21 +32,32 @@ __all__ = [
     "Cloned",
     "Detached",
     "DriftError",
+    "Exposure",
     "FreezeHandle",
     "Frozen",
+    "GradientInvariance",
     "GradientLeakError",
+    "GradientReport",
     "GradientScale",
     "InplaceModificationError",
     "IsolationError",
     "IsolationTypeError",
+    "IsolationWarning",
     "RestoreError",
     "SelectorError",
+    "Snapshot",
     "WrappingError",
+    "assert_isolated",
     "clone",
     "freeze",
     "frozen",
+    "gradient_invariance",
+    "gradient_report",
     "is_frozen",
+    "optimizer_exposure",
+    "reachable_parameters",
     "scale_gradient",
+    "snapshot",
     "stop_gradient",
     "unfreeze",
     "unfrozen",

@@ -13,6 +13,7 @@ __all__ = [
     "InplaceModificationError",
     "IsolationError",
     "IsolationTypeError",
+    "IsolationWarning",
     "RestoreError",
     "SelectorError",
     "WrappingError",
@@ -49,3 +50,7 @@ class GradientLeakError(IsolationError, AssertionError):
 
 class DriftError(IsolationError, AssertionError):
     """Parameters or buffers changed when they were meant to stay fixed."""
+
+
+class IsolationWarning(UserWarning):
+    """Isolation holds for now, but something could quietly break it (see the message)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar, cast
@@ -21,7 +22,8 @@ from torch.utils.hooks import RemovableHandle
 from isolate._selectors import Selector, check_module, is_float, select
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
-from isolate.errors import IsolationTypeError, RestoreError, SelectorError
+from isolate.drift import Exposure, optimizer_exposure
+from isolate.errors import IsolationTypeError, IsolationWarning, RestoreError, SelectorError
 
 __all__ = ["FreezeHandle", "Frozen", "freeze", "frozen", "is_frozen", "unfreeze", "unfrozen"]
 
@@ -82,6 +84,8 @@ class FreezeHandle:
     Attributes:
         names: the parameter names the call selected, in model order.
         norms: the BatchNorm layers whose policy the call set, by name.
+        exposures: with ``freeze(..., optimizer=...)``, the frozen parameters that optimizer
+            holds in a param group where a zero-filled ``.grad`` would still move them.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class FreezeHandle:
         self._caller = caller
         self._model_name = type(model).__name__
         self.names: tuple[str, ...] = tuple(params)
+        self.exposures: tuple[Exposure, ...] = ()
         self.norms: tuple[str, ...] = tuple(norms)
         self._params = [(p, p.requires_grad) for p in params.values()]
         self._modules = [(m, m.training) for m in norms.values()]
@@ -166,7 +171,12 @@ def _check_bn(bn: object, caller: str) -> str:
 
 
 @_outside_compile
-def freeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "eval") -> FreezeHandle:
+def freeze(
+    model: nn.Module,
+    *selectors: Selector,
+    bn: BNPolicy = "eval",
+    optimizer: torch.optim.Optimizer | None = None,
+) -> FreezeHandle:
     """Stop the selected parameters from learning and return the undo.
 
     Sets ``requires_grad=False`` and drops ``.grad`` of every selected parameter. Parameter
@@ -181,13 +191,18 @@ def freeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "eval") -> Fre
             eval mode, so their running statistics stay fixed even when a parent module or
             Lightning calls ``.train()``; ``"train"`` lets them follow the model's mode and
             update their statistics.
+        optimizer: an optimizer to check: frozen parameters it still holds in a param group
+            with weight decay or momentum are listed in the handle's ``exposures`` and in an
+            :class:`~isolate.errors.IsolationWarning`, since a zero-filled ``.grad`` would
+            still move them.
 
     Returns:
         A :class:`FreezeHandle`; its ``restore()`` puts back exactly what was there.
 
     Raises:
         SelectorError: a selector matched nothing or is malformed; nothing was changed.
-        IsolationTypeError: ``model`` is not a module, or a selector has the wrong type.
+        IsolationTypeError: ``model`` is not a module, a selector has the wrong type, or
+            ``optimizer`` is not an optimizer.
 
     Note:
         ``requires_grad=False`` alone does not freeze BatchNorm running statistics, which is
@@ -208,8 +223,31 @@ def freeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "eval") -> Fre
     caller = "freeze()"
     check_module(model, caller)
     policy = _check_bn(bn, caller)
+    if optimizer is not None and not isinstance(
+        getattr(optimizer, "optimizer", optimizer), torch.optim.Optimizer
+    ):
+        raise IsolationTypeError(
+            f"{caller}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     selection = select(model, selectors, caller)
-    return FreezeHandle(model, caller, selection.params, dict(selection.norms), False, policy)
+    handle = FreezeHandle(model, caller, selection.params, dict(selection.norms), False, policy)
+    if optimizer is not None:
+        chosen = set(handle.names)
+        exposed = [
+            e for e in optimizer_exposure(optimizer, model) if e.at_risk and e.name in chosen
+        ]
+        handle.exposures = tuple(exposed)
+        if exposed:
+            groups = sorted({e.group for e in exposed})
+            warnings.warn(
+                f"{caller}: optimizer param group(s) {groups} still hold {len(exposed)} frozen "
+                f"parameter(s), e.g. {exposed[0]}. Their .grad is None now, so no built-in "
+                f"optimizer moves them, but a zero-filled .grad would; take them out of the "
+                f"optimizer or set weight_decay/momentum to 0 for them",
+                IsolationWarning,
+                stacklevel=3,
+            )
+    return handle
 
 
 @_outside_compile

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -427,3 +428,28 @@ def test_tied_parameters_go_by_their_first_name_and_match_every_alias() -> None:
     with frozen(model) as everything:
         assert everything.names == ("embed.weight", "body.weight", "body.bias")
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_freeze_names_optimizer_groups_that_could_still_move_frozen_parameters(net: Net) -> None:
+    decayed = torch.optim.SGD(
+        [
+            {"params": net.trunk.parameters(), "weight_decay": 1e-2},
+            {"params": net.head.parameters(), "weight_decay": 0.0},
+        ],
+        lr=0.1,
+    )
+    with pytest.warns(
+        isolate.IsolationWarning, match=r"^freeze\(\): optimizer param group\(s\) \[0\]"
+    ):
+        handle = freeze(net, "trunk", "head", optimizer=decayed)
+    assert [e.name for e in handle.exposures] == list(handle.names[:6])
+    assert all(e.group == 0 for e in handle.exposures)
+    handle.restore()
+    plain = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = freeze(net, "head", optimizer=plain)
+    assert quiet.exposures == ()
+    quiet.restore()
+    with pytest.raises(IsolationTypeError, match=r"^freeze\(\): optimizer must be"):
+        freeze(net, "head", optimizer="sgd")  # type: ignore[arg-type]
