@@ -38,7 +38,8 @@ def _no_files_left_behind() -> Iterator[None]:
     created = {
         path
         for path in _untracked() - before
-        if "__pycache__" not in path and not path.startswith((".venv", ".hypothesis"))
+        if "__pycache__" not in path
+        and not path.startswith((".venv", ".hypothesis", ".ruff_cache", ".mypy_cache"))
     }
     assert not created, f"the suite wrote files into the repo: {sorted(created)[:10]}"
 
