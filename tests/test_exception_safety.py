@@ -1,0 +1,87 @@
+"""Every context manager and wrapper restores exact state when the body, the forward or the
+backward raises."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import isolate
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class Failing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inner(x)
+        raise Boom("forward failed")
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise Boom("backward failed")
+
+
+def state(model: nn.Module) -> Any:
+    return (
+        [(n, id(p), p.requires_grad) for n, p in model.named_parameters()],
+        [(n, type(m), m.training, len(m._forward_pre_hooks)) for n, m in model.named_modules()],
+    )
+
+
+def test_frozen_forward_that_raises_leaves_grad_mode_and_flags() -> None:
+    failing = Failing()
+    wrapped = isolate.Frozen(failing)
+    inside = state(failing)
+    with pytest.raises(Boom):
+        wrapped(torch.randn(4, 3))
+    assert torch.is_grad_enabled()
+    assert state(failing) == inside
+    with pytest.raises(Boom):
+        wrapped(torch.randn(4, 3, requires_grad=True))
+    assert torch.is_grad_enabled()
+    wrapped.unwrap()
+    assert all(p.requires_grad for p in failing.parameters())
+
+
+@pytest.mark.parametrize("wrapper", [isolate.Detached, isolate.Cloned])
+def test_branch_forward_that_raises_leaves_the_inputs_and_the_branch(wrapper: Any) -> None:
+    failing = Failing()
+    before = state(failing)
+    x = torch.randn(4, 3, requires_grad=True) * 1
+    kept = x.detach().clone()
+    with pytest.raises(Boom):
+        wrapper(failing)(x)
+    assert torch.equal(x, kept) and state(failing) == before
+
+
+def test_backward_that_raises_inside_frozen_restores() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    before = state(model)
+    with pytest.raises(Boom), isolate.frozen(model, "0", "1"):
+        FailingBackward.apply(model(torch.randn(4, 3))).sum().backward()
+    assert state(model) == before
+
+
+def test_keyboard_interrupt_inside_unfrozen_restores() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with isolate.frozen(model):
+        frozen_state = state(model)
+        with pytest.raises(KeyboardInterrupt), isolate.unfrozen(model, "1"):
+            raise KeyboardInterrupt
+        assert state(model) == frozen_state
+    assert all(p.requires_grad for p in model.parameters())
