@@ -1,0 +1,1 @@
+"""Experiments with isolate on MNIST and Fashion-MNIST."""

@@ -1,0 +1,568 @@
+"""Tests of ``experiments.data``: MNIST read offline from ``../shared/data``, errors, layouts.
+
+``../shared/data`` (beside the repo) holds only the official MNIST test split and is read-only:
+every test gives the datamodule a cache in ``tmp_path``, and an autouse fixture checks that the
+shared folder is untouched and that no test reaches the network.
+"""
+
+from __future__ import annotations
+
+import doctest
+import gzip
+import hashlib
+import shutil
+import sys
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+# pytest puts tests/ on sys.path, not the repo root where the experiments package lives.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import experiments.data as data_mod  # noqa: E402
+from experiments.data import (  # noqa: E402
+    TEST_FILES,
+    TRAIN_FILES,
+    DataCorruptError,
+    DataNotFoundError,
+    MNISTDataModule,
+    TestSplitOnlyWarning,
+)
+from isolate.errors import IsolationError  # noqa: E402
+
+MNIST_RAW = SHARED_DATA / "MNIST" / "raw"
+DEBIAN_FASHION = data_mod.DEBIAN_FASHION_MNIST
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture(autouse=True)
+def hermetic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[urllib.request.Request]]:
+    """No network, no system data, no user cache, and ``../shared/data`` left as it was."""
+    assert (MNIST_RAW / f"{TEST_FILES[0]}.gz").is_file(), f"the test data is missing: {MNIST_RAW}"
+    calls: list[urllib.request.Request] = []
+
+    def offline(request: urllib.request.Request, *args: Any, **kwargs: Any) -> Any:
+        calls.append(request)
+        raise urllib.error.URLError("no network in tests")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setattr(data_mod, "SYSTEM_DATA_DIRS", {"mnist": (), "fashion_mnist": ()})
+    monkeypatch.delenv("ISOLATE_DATA_ROOT", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)  # the default data_root "data" is relative
+    before = _snapshot(SHARED_DATA)
+    yield calls
+    assert _snapshot(SHARED_DATA) == before, "a test wrote into ../shared/data"
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Callable[..., MNISTDataModule]:
+    """Build a datamodule on the shared data with a cache in tmp_path and no download."""
+
+    def build(**kwargs: Any) -> MNISTDataModule:
+        kwargs.setdefault("data_root", str(SHARED_DATA))
+        kwargs.setdefault("cache_dir", str(tmp_path / "cache"))
+        kwargs.setdefault("download", False)
+        return MNISTDataModule(**kwargs)
+
+    return build
+
+
+def _ready(dm: MNISTDataModule) -> MNISTDataModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TestSplitOnlyWarning)
+        dm.prepare_data()
+        dm.setup("fit")
+    return dm
+
+
+def _official_test_split() -> tuple[torch.Tensor, torch.Tensor]:
+    raw = {name: gzip.decompress((MNIST_RAW / f"{name}.gz").read_bytes()) for name in TEST_FILES}
+    images = torch.frombuffer(bytearray(raw[TEST_FILES[0]]), dtype=torch.uint8, offset=16)
+    labels = torch.frombuffer(bytearray(raw[TEST_FILES[1]]), dtype=torch.uint8, offset=8)
+    return images.view(-1, 28, 28), labels.long()
+
+
+def _to_uint8(x: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    return (x * std + mean).mul(255).round().to(torch.uint8)
+
+
+def _idx(tensor: torch.Tensor) -> bytes:
+    """An IDX file of uint8 labels (1-d) or 28x28 images (3-d)."""
+    header = (0x0800 + tensor.dim()).to_bytes(4, "big")
+    header += b"".join(d.to_bytes(4, "big") for d in tensor.shape)
+    return header + tensor.to(torch.uint8).contiguous().numpy().tobytes()
+
+
+def _write_fake_split(folder: Path, n_train: int, n_test: int, *, gz: bool = True) -> None:
+    """Write tiny train and test IDX files; image i is filled with the value i, label i % 10."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for (images_name, labels_name), n in ((TRAIN_FILES, n_train), (TEST_FILES, n_test)):
+        values = torch.arange(n)
+        for name, tensor in (
+            (images_name, values.view(-1, 1, 1).expand(n, 28, 28)),
+            (labels_name, values % 10),
+        ):
+            content = _idx(tensor)
+            if gz:
+                (folder / f"{name}.gz").write_bytes(gzip.compress(content))
+            else:
+                (folder / name).write_bytes(content)
+
+
+# -- the official test split, carved -------------------------------------------------------
+
+
+def test_test_split_only_is_carved_into_disjoint_labelled_parts(make) -> None:
+    dm = make()
+    dm.prepare_data()
+    with pytest.warns(TestSplitOnlyWarning, match=r"ONLY THE OFFICIAL TEST SPLIT"):
+        dm.setup("fit")
+
+    sets = {"train": dm.train_set, "val": dm.val_set, "test": dm.test_set}
+    assert {k: len(v) for k, v in sets.items()} == {"train": 8000, "val": 1000, "test": 1000}
+    info = dm.split_info
+    assert (info["mode"], info["pool"], info["seed"], info["md5_verified"]) == (
+        "test_split_only",
+        10000,
+        0,
+        True,
+    )
+    assert {k: info[k] for k in sets} == {"train": 8000, "val": 1000, "test": 1000}
+    assert info["files"] == {name: str(MNIST_RAW / f"{name}.gz") for name in TEST_FILES}
+    for words in ("MNIST", "8,000", "1,000", "seed 0", "not comparable", str(MNIST_RAW)):
+        assert words in dm.source_note
+
+    # Every served image is an official test image with its own label, each used exactly once.
+    images, labels = _official_test_split()
+    label_of = {
+        bytes(img.flatten().numpy()): int(lab) for img, lab in zip(images, labels, strict=True)
+    }
+    seen: list[bytes] = []
+    for dataset in sets.values():
+        x, y = dataset.tensors
+        assert x.shape[1:] == (1, 28, 28) and x.dtype == torch.float32 and y.dtype == torch.int64
+        for img, lab in zip(_to_uint8(x, MNIST_MEAN, MNIST_STD), y, strict=True):
+            key = bytes(img.flatten().numpy())
+            assert label_of[key] == int(lab)
+            seen.append(key)
+    assert len(seen) == len(set(seen)) == 10000
+
+
+def test_values_are_normalized_with_the_mnist_statistics(make) -> None:
+    dm = _ready(make())
+    x, y = dm.train_set.tensors
+    assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05
+    assert x.min().item() == pytest.approx(-MNIST_MEAN / MNIST_STD, abs=1e-5)
+    assert x.max().item() == pytest.approx((1 - MNIST_MEAN) / MNIST_STD, abs=1e-5)
+    counts = torch.bincount(y, minlength=10)
+    assert len(counts) == 10 and counts.min().item() > 600  # every digit, roughly balanced
+    assert (dm.mean, dm.std, dm.num_classes, dm.image_shape) == (
+        MNIST_MEAN,
+        MNIST_STD,
+        10,
+        (1, 28, 28),
+    )
+
+
+def test_the_split_depends_on_the_seed_only(make) -> None:
+    a, b, c = _ready(make(seed=0)), _ready(make(seed=0)), _ready(make(seed=1))
+    for split in ("train_set", "val_set", "test_set"):
+        for ta, tb in zip(getattr(a, split).tensors, getattr(b, split).tensors, strict=True):
+            assert torch.equal(ta, tb)
+    assert not torch.equal(a.val_set.tensors[0], c.val_set.tensors[0])
+    assert len(c.val_set) == len(a.val_set)
+
+
+def test_batch_order_is_fixed_by_the_seed(make) -> None:
+    a, b, c = (_ready(make(seed=s, batch_size=64, limit_train=640)) for s in (0, 0, 1))
+    batches = [list(dm.train_dataloader()) for dm in (a, b, c)]
+    assert len(batches[0]) == 10
+    for (xa, ya), (xb, yb) in zip(batches[0], batches[1], strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(batches[0][0][1], batches[2][0][1])
+    # Shuffled: the first batch is not the dataset's first 64 items.
+    assert not torch.equal(batches[0][0][1], a.train_set.tensors[1][:64])
+    # A second epoch of the same loader takes a new order.
+    loader = a.train_dataloader()
+    first, second = next(iter(loader))[1], next(iter(loader))[1]
+    assert not torch.equal(first, second)
+    # Validation and test keep the dataset order.
+    xv, yv = next(iter(a.val_dataloader()))
+    assert torch.equal(xv, a.val_set.tensors[0][:64]) and torch.equal(yv, a.val_set.tensors[1][:64])
+    assert torch.equal(next(iter(a.test_dataloader()))[1], a.test_set.tensors[1][:64])
+
+
+def test_limits_take_subsets_of_each_split(make) -> None:
+    dm = _ready(make(limit_train=100, limit_val=30, limit_test=20))
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (100, 30, 20)
+    full = _ready(make())
+    assert torch.equal(dm.val_set.tensors[1], full.val_set.tensors[1][:30])
+    assert "limit_train=100" in dm.source_note
+
+
+def test_decompressed_copies_go_to_the_cache_and_are_read_from_there(make, tmp_path) -> None:
+    cache_raw = tmp_path / "cache" / "MNIST" / "raw"
+    _ready(make())
+    for name in TEST_FILES:
+        expected = gzip.decompress((MNIST_RAW / f"{name}.gz").read_bytes())
+        assert (cache_raw / name).read_bytes() == expected
+    assert sorted(p.name for p in cache_raw.iterdir()) == sorted(TEST_FILES)
+
+    # A later run reads (and checks) the cached copy, yet reports where the data came from.
+    blob = bytearray((cache_raw / TEST_FILES[0]).read_bytes())
+    blob[5000] ^= 0xFF
+    (cache_raw / TEST_FILES[0]).write_bytes(bytes(blob))
+    with pytest.raises(DataCorruptError, match=r"t10k-images-idx3-ubyte has the wrong checksum"):
+        make().setup()
+    (cache_raw / TEST_FILES[0]).unlink()
+    dm = _ready(make())
+    assert dm.split_info["files"][TEST_FILES[0]] == str(MNIST_RAW / f"{TEST_FILES[0]}.gz")
+
+
+def test_a_read_only_data_root_sends_the_cache_elsewhere(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ISOLATE_DATA_ROOT", str(SHARED_DATA))
+    dm = MNISTDataModule(download=False)
+    assert dm.data_root == SHARED_DATA
+    assert dm.cache_dir == tmp_path / "xdg" / "isolate"
+    _ready(dm)
+    assert sorted(p.name for p in (dm.cache_dir / "MNIST" / "raw").iterdir()) == sorted(TEST_FILES)
+
+
+def test_a_writable_data_root_is_its_own_cache(tmp_path) -> None:
+    raw = tmp_path / "root" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in TEST_FILES:
+        shutil.copy(MNIST_RAW / f"{name}.gz", raw)
+    dm = _ready(MNISTDataModule(data_root=str(tmp_path / "root"), download=False))
+    assert dm.cache_dir == tmp_path / "root"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(
+        [*TEST_FILES, *(f"{n}.gz" for n in TEST_FILES)]
+    )
+    assert MNISTDataModule().data_root == Path("data")
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_no_data_raises_data_not_found_naming_files_places_and_fixes(tmp_path) -> None:
+    empty = tmp_path / "empty"
+    dm = MNISTDataModule(data_root=str(empty), cache_dir=str(tmp_path / "c"), download=False)
+    with pytest.raises(DataNotFoundError, match=r"^MNISTDataModule: MNIST files not found") as e:
+        dm.prepare_data()
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, IsolationError)
+    message = str(e.value)
+    for part in (
+        *TEST_FILES,
+        *TRAIN_FILES,
+        str(empty / "MNIST" / "raw"),
+        str(tmp_path / "c" / "MNIST" / "raw"),
+        "network access",
+        "ISOLATE_DATA_ROOT",
+    ):
+        assert part in message
+    assert "apt-get" not in message
+    with pytest.raises(DataNotFoundError):
+        dm.setup()
+
+
+def test_fashion_not_found_lists_the_debian_place_and_package(tmp_path, monkeypatch) -> None:
+    system = tmp_path / "usr-share-datasets-fashion-mnist"
+    monkeypatch.setattr(data_mod, "SYSTEM_DATA_DIRS", {"mnist": (), "fashion_mnist": (system,)})
+    dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path), download=False)
+    with pytest.raises(DataNotFoundError, match=r"Fashion-MNIST files not found") as e:
+        dm.prepare_data()
+    assert str(system) in str(e.value)
+    assert str(tmp_path / "FashionMNIST" / "raw") in str(e.value)
+    assert "apt-get install dataset-fashion-mnist" in str(e.value)
+
+
+def test_half_a_train_pair_is_not_mistaken_for_a_test_only_root(tmp_path) -> None:
+    raw = tmp_path / "FashionMNIST" / "raw"
+    _write_fake_split(raw, 20, 10)
+    (raw / f"{TRAIN_FILES[1]}.gz").unlink()
+    dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path), verify_md5=False)
+    with pytest.raises(DataNotFoundError, match=r"missing train-labels-idx1-ubyte\[\.gz\]\."):
+        dm.setup()
+
+
+def _truncate(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _flip(data: bytes) -> bytes:
+    blob = bytearray(data)
+    blob[len(blob) // 2] ^= 0xFF
+    return bytes(blob)
+
+
+def _edit_content(data: bytes) -> bytes:
+    return gzip.compress(_flip(gzip.decompress(data)), compresslevel=1)
+
+
+# Cases run in a loop rather than parametrized: the suite's conftest pays ~0.5 s per test item.
+GZ_DAMAGE = {
+    "truncated": (TEST_FILES[1], _truncate, r"is not a valid gzip file .*expected ec29112dd5afa06"),
+    "flipped-byte": (TEST_FILES[0], _flip, r"idx3-ubyte\.gz (is not a valid gzip|has the wrong)"),
+    "edited-content": (TEST_FILES[0], _edit_content, r"content's md5 expected 2646ac647ad5339"),
+}
+
+
+def test_damaged_gz_files_raise_data_corrupt(tmp_path) -> None:
+    for case, (name, damage, match) in GZ_DAMAGE.items():
+        raw = tmp_path / case / "MNIST" / "raw"
+        raw.mkdir(parents=True)
+        for official in TEST_FILES:
+            shutil.copy(MNIST_RAW / f"{official}.gz", raw)
+        (raw / f"{name}.gz").write_bytes(damage((MNIST_RAW / f"{name}.gz").read_bytes()))
+        dm = MNISTDataModule(data_root=str(tmp_path / case), download=False)
+        with pytest.raises(DataCorruptError, match=match) as e:
+            dm.prepare_data()
+        assert isinstance(e.value, ValueError) and isinstance(e.value, IsolationError), case
+        assert str(e.value).startswith(f"MNISTDataModule: {raw / name}.gz "), case
+        assert "Delete or replace" in str(e.value), case
+
+
+def test_a_recompressed_gz_of_the_official_content_is_accepted(tmp_path) -> None:
+    # The Debian package ships .gz files like this: other bytes, the same content.
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in TEST_FILES:
+        content = gzip.decompress((MNIST_RAW / f"{name}.gz").read_bytes())
+        (raw / f"{name}.gz").write_bytes(gzip.compress(content, compresslevel=1, mtime=0))
+    assert hashlib.md5((raw / f"{TEST_FILES[0]}.gz").read_bytes()).hexdigest() != (
+        "9fb629c4189551a2d022fa330f9573f3"
+    )
+    dm = MNISTDataModule(data_root=str(tmp_path), cache_dir=str(tmp_path / "c"), download=False)
+    assert len(_ready(dm).train_set) == 8000
+
+
+IDX_DAMAGE = {
+    "short-images": (TEST_FILES[0], lambda b: b[:-784], r"announces 20 items, that is 15696 bytes"),
+    "long-labels": (TEST_FILES[1], lambda b: b + b"\x00", r"truncated or padded"),
+    "bad-label": (TEST_FILES[1], lambda b: b[:8] + b"\x0c" + b[9:], r"holds label 12; expected"),
+    "bad-magic": (TEST_FILES[0], lambda b: b"\x00\x00\x08\x01" + b[4:], r"expected 00000803"),
+    "bad-shape": (
+        TEST_FILES[0],
+        lambda b: b[:8] + (14).to_bytes(4, "big") + (56).to_bytes(4, "big") + b[16:],
+        r"holds 14x56 images; expected 28x28",
+    ),
+}
+
+
+def test_broken_idx_files_raise_even_without_md5(tmp_path) -> None:
+    for case, (name, damage, match) in IDX_DAMAGE.items():
+        raw = tmp_path / case / "FashionMNIST" / "raw"
+        _write_fake_split(raw, 30, 20, gz=False)
+        (raw / name).write_bytes(damage((raw / name).read_bytes()))
+        dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path / case), verify_md5=False)
+        with pytest.raises(DataCorruptError, match=match):
+            dm.setup()
+
+
+def test_arguments_are_checked_before_anything_happens() -> None:
+    with pytest.raises(ValueError, match=r"dataset='cifar' is unknown"):
+        MNISTDataModule("cifar")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"val_fraction=1.0 must be in \(0, 1\)"):
+        MNISTDataModule(val_fraction=1.0)
+    with pytest.raises(ValueError, match=r"test_fraction=0.5 must be in \(0, 1\) and leave"):
+        MNISTDataModule(val_fraction=0.5, test_fraction=0.5)
+    with pytest.raises(ValueError, match=r"limit_train=0 must be at least 1"):
+        MNISTDataModule(limit_train=0)
+    with pytest.raises(RuntimeError, match=r"call prepare_data\(\) and setup\(\)"):
+        MNISTDataModule().train_dataloader()
+
+
+# -- Fashion-MNIST and the full split -------------------------------------------------------
+
+
+def test_fashion_full_split_from_tiny_hand_made_files(tmp_path) -> None:
+    _write_fake_split(tmp_path / "FashionMNIST" / "raw", 60, 20)
+    dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path), verify_md5=False, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TestSplitOnlyWarning)
+        dm.prepare_data()
+        dm.setup()
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (54, 6, 20)
+    assert dm.split_info["mode"] == "official" and not dm.split_info["md5_verified"]
+    assert dm.source_note.startswith("Fashion-MNIST: official split.")
+    assert "not verified" in dm.source_note
+    # The official test set is served whole and in order; train and val partition the train set.
+    x, y = dm.test_set.tensors
+    assert torch.equal(y, torch.arange(20) % 10)
+    assert torch.equal(_to_uint8(x, FASHION_MEAN, FASHION_STD)[:, 0, 0, 0], torch.arange(20).byte())
+    assert x[5, 0, 3, 7].item() == pytest.approx((5 / 255 - FASHION_MEAN) / FASHION_STD, abs=1e-6)
+    seen = [
+        int(v)
+        for s in (dm.train_set, dm.val_set)
+        for v in _to_uint8(s.tensors[0], FASHION_MEAN, FASHION_STD)[:, 0, 0, 0]
+    ]
+    assert sorted(seen) == list(range(60))
+    # Unverified content never goes to the cache, where it could pass for official data.
+    assert not (tmp_path / "FashionMNIST" / "raw" / TEST_FILES[0]).exists()
+    assert dm.classes[9] == "Ankle boot"
+
+
+def test_hand_made_files_fail_the_md5_check_with_a_hint(tmp_path) -> None:
+    _write_fake_split(tmp_path / "FashionMNIST" / "raw", 20, 10)
+    dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path))
+    with pytest.raises(DataCorruptError, match=r"wrong checksum.*pass verify_md5=False"):
+        dm.prepare_data()
+
+
+def test_fashion_in_the_debian_layout_is_found(tmp_path, monkeypatch) -> None:
+    debian = tmp_path / "fashion-mnist"  # files side by side, as dataset-fashion-mnist has them
+    _write_fake_split(debian, 40, 10)
+    monkeypatch.setattr(data_mod, "SYSTEM_DATA_DIRS", {"mnist": (), "fashion_mnist": (debian,)})
+    dm = _ready(MNISTDataModule("fashion_mnist", data_root="nowhere", verify_md5=False))
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (36, 4, 10)
+    assert dm.split_info["files"][TRAIN_FILES[0]] == str(debian / f"{TRAIN_FILES[0]}.gz")
+    assert not Path("nowhere").exists()
+
+
+@pytest.mark.skipif(
+    not (DEBIAN_FASHION / f"{TRAIN_FILES[0]}.gz").is_file(),
+    reason="the Debian package dataset-fashion-mnist is not installed",
+)
+def test_the_real_debian_fashion_package_passes_the_md5_check(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(data_mod, "SYSTEM_DATA_DIRS", {"fashion_mnist": (DEBIAN_FASHION,)})
+    dm = _ready(MNISTDataModule("fashion_mnist", data_root="nowhere", cache_dir=str(tmp_path)))
+    assert (dm.split_info["mode"], len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (
+        "official",
+        54000,
+        6000,
+        10000,
+    )
+    assert abs(dm.train_set.tensors[0].mean().item()) < 0.02
+    assert torch.bincount(dm.test_set.tensors[1]).tolist() == [1000] * 10
+
+
+# -- downloading ----------------------------------------------------------------------------
+
+
+def test_an_offline_download_falls_back_to_the_files_on_disk(make, hermetic) -> None:
+    dm = make(download=None)
+    with pytest.warns(UserWarning, match=r"could not download MNIST \(RuntimeError: Error"):
+        dm.prepare_data()
+    assert hermetic, "the download was not even tried"
+    with pytest.warns(TestSplitOnlyWarning):
+        dm.setup()
+    assert len(dm.train_set) == 8000
+
+
+def test_download_true_raises_when_offline(make, hermetic) -> None:
+    with pytest.raises(DataNotFoundError, match=r"download=True but the MNIST download") as e:
+        make(download=True).prepare_data()
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert hermetic
+
+
+def test_no_download_is_tried_when_not_allowed_or_not_needed(make, tmp_path, hermetic) -> None:
+    _ready(make(download=False))
+    _write_fake_split(tmp_path / "full" / "FashionMNIST" / "raw", 20, 10)
+    _ready(MNISTDataModule("fashion_mnist", data_root=str(tmp_path / "full"), verify_md5=False))
+    assert hermetic == []
+
+
+def test_a_half_finished_download_is_cleaned_up(make, tmp_path, monkeypatch) -> None:
+    class Response:
+        def __init__(self, request: urllib.request.Request) -> None:
+            self.url, self.length, self._chunks = request.full_url, 7, [b"partial"]
+
+        def read(self, size: int = -1) -> bytes:
+            return self._chunks.pop() if self._chunks else b""
+
+        def __enter__(self) -> Response:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda request, *a, **k: Response(request))
+    dm = make(download=None)
+    with pytest.warns(UserWarning, match=r"could not download MNIST"):
+        dm.prepare_data()
+    raw = tmp_path / "cache" / "MNIST" / "raw"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(TEST_FILES)  # only our own copies
+    with pytest.warns(TestSplitOnlyWarning):
+        dm.setup()
+
+
+# -- integration ----------------------------------------------------------------------------
+
+
+def test_a_trainer_runs_on_it(make, tmp_path) -> None:
+    import pytorch_lightning as pl
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(28 * 28, 10)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.layer(x.flatten(1)), y)
+
+        def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x.flatten(1)), y))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm = make(batch_size=32, limit_train=128, limit_val=64)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and small datasets
+        trainer.fit(Net(), datamodule=dm)
+    assert trainer.global_step == 8
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
+
+
+def test_jsonargparse_reads_the_signature() -> None:
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(MNISTDataModule, "data")
+    cfg = parser.parse_args(
+        ["--data.dataset=fashion_mnist", "--data.limit_train=100", "--data.download=false"]
+    )
+    assert (cfg.data.dataset, cfg.data.limit_train, cfg.data.download) == (
+        "fashion_mnist",
+        100,
+        False,
+    )
+    assert (cfg.data.data_root, cfg.data.batch_size, cfg.data.seed) == (None, 128, 0)
+    with pytest.raises(jsonargparse.ArgumentError):
+        parser.parse_args(["--data.dataset=cifar"])
+
+
+def test_the_module_doctests_pass() -> None:
+    result = doctest.testmod(data_mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
