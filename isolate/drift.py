@@ -113,6 +113,7 @@ class Snapshot:
         number (or the other way round) reports ``nan``.
 
         >>> model = nn.Linear(2, 1)
+        >>> _ = nn.init.zeros_(model.bias)
         >>> snap = snapshot(model)
         >>> with torch.no_grad():
         ...     _ = model.bias.add_(0.5)
