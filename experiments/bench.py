@@ -145,20 +145,28 @@ def bench_wrappers(quick: bool) -> list[Row]:
         width = head.in_features  # type: ignore[union-attr]
         side = nn.Linear(width, 10)
         pairs: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., Any]]] = {
-            "Detached vs x.detach()": (isolate.Detached(side), lambda f: side(f.detach())),
-            "Cloned vs x.clone()": (isolate.Cloned(side), lambda f: side(f.clone())),
+            "Detached vs x.detach()": (isolate.Detached(side), lambda f, s=side: s(f.detach())),
+            "Cloned vs x.clone()": (isolate.Cloned(side), lambda f, s=side: s(f.clone())),
             "GradientScale(-1) vs hand-written reversal": (
                 nn.Sequential(isolate.GradientScale(-1.0), side),
-                lambda f: side(_ReverseByHand.apply(f)),
+                lambda f, s=side: s(_ReverseByHand.apply(f)),
             ),
         }
         for name, (wrapped, by_hand) in pairs.items():
             candidate = _step_fn(trunk, head, side, wrapped, x, y)
             baseline = _step_fn(trunk, head, side, by_hand, x, y)
             c, b = _median_pair(candidate, baseline, warmup=2, repeat=6 if quick else 30)
+            candidate_name, baseline_name = name.split(" vs ")
             rows.append(
-                Row(f"{name} ({label})", name.split(" vs ")[0], name.split(" vs ")[1], c, b,
-                    "<= 1.02", c / b <= 1.02)  # fmt: skip
+                Row(
+                    f"{name} ({label})",
+                    candidate_name,
+                    baseline_name,
+                    c,
+                    b,
+                    "<= 1.02",
+                    c / b <= 1.02,
+                )
             )
             if isinstance(wrapped, isolate.Detached | isolate.Cloned):
                 wrapped.unwrap()
@@ -217,7 +225,9 @@ def bench_reachability(quick: bool) -> list[Row]:
         walks, backwards = [], []
         for _ in range(2 if quick else 3):
             loss = loss_fn()
-            walks.append(_median(lambda: reachable_parameters(loss, model), warmup=1, repeat=5))
+            walks.append(
+                _median(lambda: reachable_parameters(loss, model), warmup=1, repeat=5)  # noqa: B023
+            )
             start = time.perf_counter()
             loss.backward()
             backwards.append(time.perf_counter() - start)

@@ -46,11 +46,11 @@ def _no_files_left_behind() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _isolation_left_clean() -> Iterator[None]:
-    gc.collect()
     active_before = set(freezing._active)
     yield
     assert torch.is_grad_enabled(), "a test left grad mode off"
-    gc.collect()
+    if any(h not in active_before for h in freezing._active):
+        gc.collect()  # only when needed: a full collection costs a good part of a second
     leaked = [h for h in freezing._active if h not in active_before]
     for handle in sorted(leaked, key=lambda h: -h._seq):
         handle.restore()
