@@ -138,6 +138,18 @@ class _Walk:
         return ops
 
 
+def _accumulated(node: Node) -> torch.Tensor | None:
+    """The leaf an ``AccumulateGrad`` node writes to; ``None`` for every other node.
+
+    Checked by name, not by a ``variable`` attribute alone: the node of a custom
+    ``autograd.Function`` is its ``ctx``, where user code may store anything under any name.
+    """
+    if node.name() != "torch::autograd::AccumulateGrad":
+        return None
+    variable = getattr(node, "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
+
+
 def _check_losses(losses: object, caller: str) -> list[torch.Tensor]:
     if isinstance(losses, torch.Tensor):
         return [losses]
@@ -168,8 +180,8 @@ def _walk(outputs: Sequence[torch.Tensor], caller: str) -> _Walk:
             walk.leaves[id(out)] = out
     while queue:
         node = queue.popleft()
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):  # AccumulateGrad: the end of a path
+        variable = _accumulated(node)
+        if variable is not None:  # the end of a path
             walk.leaves[id(variable)] = variable
             continue
         if _node_name(node) in _OPAQUE_OPS:
@@ -177,8 +189,8 @@ def _walk(outputs: Sequence[torch.Tensor], caller: str) -> _Walk:
         for child, _ in node.next_functions:
             if child is None:
                 continue
-            leaf = getattr(child, "variable", None)
-            if isinstance(leaf, torch.Tensor):
+            leaf = _accumulated(child)
+            if leaf is not None:
                 walk.consumers.setdefault(id(leaf), []).append(node)
             if child not in walk.parent:
                 walk.parent[child] = node
@@ -346,6 +358,12 @@ def _resolve(target: object, model: nn.Module | None, caller: str) -> list[_Name
                 f"{caller}: item {index} is a {type(item).__name__}; expected a module, a "
                 f"parameter, a (name, parameter) pair, or a selector string with model="
             )
+    if not out:
+        raise SelectorError(
+            f"{caller}: {type(target).__name__} names no parameter to check, so the check "
+            f"would pass whatever the loss does; pass modules that hold parameters, and "
+            f"lists rather than generators (a generator is empty the second time)"
+        )
     return list(out.values())
 
 
@@ -378,7 +396,8 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
             with its owning module, the operation that consumes it (e.g. ``AddmmBackward0``)
             and a route from the loss.
         IsolationTypeError: an argument has the wrong type.
-        SelectorError: a selector matched nothing, or a module is not part of ``model``.
+        SelectorError: a selector matched nothing, a module is not part of ``model``, or
+            ``protected`` names no parameter at all (an exhausted generator, say).
 
     Note:
         A loss without ``grad_fn`` passes trivially: check that it was not computed under
@@ -762,6 +781,7 @@ def gradient_invariance(
 
     Raises:
         IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
+        SelectorError: ``protected`` names no parameter, or a selector matches nothing.
 
     Note:
         ``total = 0.5 * main + aux`` changes every gradient by a factor of 0.5, so the deltas

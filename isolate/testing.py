@@ -88,8 +88,8 @@ def assert_gradient_invariance(
         f"{caller}: the auxiliary losses change the gradient of {len(moved)} of "
         f"{len(result.deltas)} protected parameters (atol={atol}):\n"
         + "\n".join(lines)
-        + "\nFix: find the path with isolate.auditing.assert_isolated(total_loss - main_loss, "
-        "...), and cut it with isolate.stop_gradient or isolate.Detached"
+        + "\nFix: find the path with assert_isolated(aux_loss, protected) for each auxiliary "
+        "loss, and cut it with isolate.stop_gradient or isolate.Detached"
     )
 
 

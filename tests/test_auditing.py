@@ -176,6 +176,24 @@ def test_custom_autograd_function() -> None:
     assert set(reachable_parameters(detached, holder)) == {"params.w", "params.b"}
 
 
+def test_custom_function_context_may_hold_a_tensor_named_variable() -> None:
+    """The node of a custom Function is its ctx: a ``variable`` attribute must not end the walk."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.variable = x.detach()
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad * 2
+
+    model = nn.Linear(2, 2)
+    out = Scale.apply(model(torch.randn(1, 2))).sum()
+    assert reachable_parameters(out, model) == ("weight", "bias") == brute_force(out, model)
+
+
 def test_reachability_is_structural_an_upper_bound() -> None:
     """A Function that returns None for an input still has the edge (see the Note)."""
 
@@ -399,6 +417,13 @@ def test_assert_isolated_errors(net: Net) -> None:
         assert_isolated(main.sum(), [3])
     with pytest.raises(IsolationTypeError, match=r"^assert_isolated\(\): cannot tell"):
         assert_isolated(main.sum(), 3)  # type: ignore[arg-type]
+    params = net.encoder.parameters()
+    with pytest.raises(GradientLeakError):
+        assert_isolated(main.sum(), params)
+    with pytest.raises(SelectorError, match=r"^assert_isolated\(\): generator names no param"):
+        assert_isolated(main.sum(), params)  # exhausted: would pass vacuously
+    with pytest.raises(SelectorError, match=r"^gradient_invariance\(\): ReLU names no param"):
+        gradient_invariance(main.sum(), main.sum(), net.encoder[1])
     with pytest.raises(IsolationTypeError, match=r"^assert_isolated\(\): loss must be"):
         assert_isolated(None, net)  # type: ignore[arg-type]
 
