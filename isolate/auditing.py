@@ -168,7 +168,12 @@ def _check_losses(losses: object, caller: str) -> list[torch.Tensor]:
 
 
 def _walk(outputs: Sequence[torch.Tensor], caller: str) -> _Walk:
-    """Breadth-first walk from ``outputs``; iterative, each node visited once."""
+    """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
+
+    Breadth-first rather than depth-first: the cost is the same (each node and edge once),
+    and the first route recorded to each node is a shortest one, which is the route a leak
+    message should show.
+    """
     walk = _Walk()
     queue: deque[Node] = deque()
     for out in outputs:
