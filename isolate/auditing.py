@@ -22,7 +22,7 @@ from torch.autograd.graph import Node
 
 from isolate._selectors import check_module, describe, select
 from isolate.drift import _max_abs_diff
-from isolate.errors import GradientLeakError, IsolationTypeError, SelectorError
+from isolate.errors import GradientLeakError, IsolationTypeError, IsolationWarning, SelectorError
 
 __all__ = [
     "GradientInvariance",
@@ -206,7 +206,7 @@ def _walk(outputs: Sequence[torch.Tensor], caller: str) -> _Walk:
             f"backward; parameters used only inside it are invisible to the graph walk. "
             f"Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) to make them "
             f"visible",
-            UserWarning,
+            IsolationWarning,
             stacklevel=3,
         )
     return walk

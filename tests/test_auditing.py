@@ -26,6 +26,7 @@ from isolate.errors import (
     GradientLeakError,
     IsolationError,
     IsolationTypeError,
+    IsolationWarning,
     SelectorError,
 )
 
@@ -276,7 +277,7 @@ def test_diamonds_are_visited_once() -> None:
 def test_reentrant_checkpoint_hides_parameters_and_warns() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     x = torch.randn(1, 2, requires_grad=True)
-    with pytest.warns(UserWarning, match=r"^reachable_parameters\(\): .*use_reentrant=False"):
+    with pytest.warns(IsolationWarning, match=r"^reachable_parameters\(\): .*use_reentrant=False"):
         out = checkpoint(model, x, use_reentrant=True)
         hidden = reachable_parameters(out.sum(), model)
     assert hidden == ()  # the blind spot the warning is about
