@@ -233,6 +233,9 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
         IsolationTypeError: ``loss`` is not a tensor or a sequence of tensors, or ``model``
             is not a module.
 
+    Warns:
+        IsolationWarning: the graph holds a reentrant checkpoint, whose insides it cannot see.
+
     Note:
         Reachability is structural: an edge in the graph counts even when the gradient along
         it is always zero (``p * 0``) or when a custom ``autograd.Function`` returns ``None``
