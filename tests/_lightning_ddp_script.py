@@ -1,0 +1,114 @@
+"""Two-process DDP runs on the CPU (gloo) for ``tests/test_lightning_ddp.py``.
+
+Usage: ``python tests/_lightning_ddp_script.py OUT_DIR``. Lightning's ``ddp`` strategy starts
+the second process by running this same command again; both processes then run:
+
+* ``isolate``: IsolationCallback freezes the trunk, detaches the aux branch and thaws the
+  trunk at epoch 1;
+* ``backbone``: Lightning's BackboneFinetuning thaws the trunk at epoch 1 (the negative
+  control), with an IsolationCallback that only checks (``on_violation="warn"``).
+
+Each rank writes ``OUT_DIR/<mode>-rank<r>.json``: a checksum of every parameter at the end
+of each epoch, the number of parameters DDP synchronises at each epoch start, and the
+callback's warnings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from _lightning_models import Net, loader, trainer
+from pytorch_lightning.callbacks import BackboneFinetuning
+from torch import nn
+
+from isolate.lightning import IsolationCallback, IsolationWarning, Thaw
+
+
+class BackboneNet(Net):
+    """The same network, with the ``backbone`` attribute BackboneFinetuning requires."""
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.trunk
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.synced: list[int] = []
+        self.checksums: list[dict[str, str]] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # How many parameters the DDP wrapper synchronises (private API: the point of the test).
+        ddp = trainer.strategy.model
+        self.synced.append(int(ddp._get_ddp_logging_data()["num_parameter_tensors"]))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.checksums.append(
+            {
+                name: hashlib.sha256(p.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+                for name, p in pl_module.state_dict().items()
+                if not name.endswith(("running_mean", "running_var", "num_batches_tracked"))
+            }
+        )
+
+
+def run(out: Path, mode: str) -> None:
+    model: Net
+    callbacks: list[pl.Callback]
+    if mode == "isolate":
+        model = Net()
+        callbacks = [
+            IsolationCallback(
+                freeze=["trunk"],
+                detach=["aux"],
+                thaw=[Thaw("trunk", epoch=1, lr=0.05)],
+                verify_every_n_steps=1,
+            )
+        ]
+    else:
+        model = BackboneNet()
+        callbacks = [
+            BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05),
+            IsolationCallback(verify_every_n_steps=1, on_violation="warn"),
+        ]
+    record = Record()
+    fit = trainer(
+        out / mode,
+        [*callbacks, record],
+        max_epochs=3,
+        devices=2,
+        strategy="ddp",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", IsolationWarning)
+        fit.fit(model, loader())
+    result: dict[str, Any] = {
+        "rank": fit.global_rank,
+        "world_size": fit.world_size,
+        "synced": record.synced,
+        "checksums": record.checksums,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, IsolationWarning)],
+        "requires_grad_after_fit": all(p.requires_grad for p in model.parameters()),
+    }
+    (out / f"{mode}-rank{fit.global_rank}.json").write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning, module="pytorch_lightning")
+    for mode in ("isolate", "backbone"):
+        run(out, mode)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""A tiny LightningModule and data for the Lightning tests (shared with the DDP script).
+
+The model has a trunk with BatchNorm, a classification head and an auxiliary regression
+branch fed by the trunk's features. ``training_step`` names the auxiliary loss in
+``self.isolation_losses``, the convention :class:`isolate.lightning.IsolationCallback` reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(pl.LightningModule):
+    """trunk (Linear, BatchNorm, ReLU, Linear) -> head; trunk -> aux.
+
+    Args:
+        aux: add the auxiliary loss to the training loss.
+        all_params: build the optimizer from every parameter, frozen ones included.
+        bypass: call the aux branch through ``self.aux.module`` (skipping a wrapper).
+        nudge: move ``trunk.0.weight`` by hand at every step (a drift the callback must see).
+        scheduler: return a cosine LR schedule (stepped every epoch) with the optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        aux: bool = True,
+        all_params: bool = False,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        bypass: bool = False,
+        nudge: bool = False,
+        scheduler: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.use_aux, self.all_params, self.bypass, self.nudge = aux, all_params, bypass, nudge
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.scheduler = scheduler
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, z = batch
+        features = self.trunk(x)
+        loss = F.cross_entropy(self.head(features), y)
+        if self.use_aux:
+            branch = self.aux.module if self.bypass else self.aux
+            aux_loss = F.mse_loss(branch(features).squeeze(-1), z)
+            self.isolation_losses = {"aux": aux_loss}
+            loss = loss + aux_loss
+        if self.nudge:
+            with torch.no_grad():
+                self.trunk[0].weight.add_(1e-3)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if self.all_params or p.requires_grad]
+        opt = torch.optim.SGD(
+            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+        if not self.scheduler:
+            return opt
+        return [opt], [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)]
+
+
+def loader(n: int = 64, batch_size: int = 16, seed: int = 123) -> DataLoader[Any]:
+    """Random inputs, class labels and regression targets, in a fixed order."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    z = torch.randn(n, generator=g)
+    return DataLoader(TensorDataset(x, y, z), batch_size=batch_size, shuffle=False)
+
+
+def trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    """A small CPU Trainer that writes only below ``root``."""
+    options: dict[str, Any] = {
+        "default_root_dir": root,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 2,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "callbacks": callbacks,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter and buffer, by state_dict key."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,479 @@
+"""IsolationCallback with a real, tiny Trainer: freezing, BatchNorm policy, detaching, the thaw
+schedule, the checks while training, checkpoints and resume, and the spec's validation.
+
+The model (``_lightning_models.Net``) is trunk (Linear, BatchNorm, ReLU, Linear) -> head, and
+trunk -> aux; 64 samples in batches of 16 make 4 optimizer steps per epoch.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from _lightning_models import Net, loader, state, trainer
+from pytorch_lightning.callbacks import BaseFinetuning, ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+from torch import nn
+
+from isolate import Detached, DriftError, GradientLeakError, IsolationError, SelectorError
+from isolate.lightning import (
+    CheckpointMismatchError,
+    IsolationCallback,
+    IsolationWarning,
+    SpecError,
+    Thaw,
+)
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
+]
+
+TRUNK = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]  # in model.trunk
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What an isolation could leave behind: module classes, parameter identities and flags,
+    training modes, hooks."""
+    return {
+        "modules": {n: type(m) for n, m in model.named_modules()},
+        "params": {n: (id(p), p.requires_grad) for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "hooks": {n: len(m._forward_pre_hooks) for n, m in model.named_modules()},
+    }
+
+
+def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
+    return {k for k in before if not torch.equal(before[k], after[k])}
+
+
+class Probe(pl.Callback):
+    """At each train epoch start: whether the trunk requires grad and (group index, lr) of
+    every occurrence of a trunk parameter in the optimizer; at each epoch end: the trunk."""
+
+    def __init__(self) -> None:
+        self.flags: list[bool] = []
+        self.groups: list[list[tuple[int, float]]] = []
+        self.ends: list[dict[str, torch.Tensor]] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trunk = list(pl_module.trunk.parameters())
+        self.flags.append(all(p.requires_grad for p in trunk))
+        groups = trainer.optimizers[0].param_groups
+        self.groups.append(
+            [
+                (i, g["lr"])
+                for p in trunk
+                for i, g in enumerate(groups)
+                for q in g["params"]
+                if q is p
+            ]
+        )
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.ends.append(state(pl_module.trunk))
+
+
+# --------------------------------------------------------------------------------------------
+# Freezing and the BatchNorm policy
+
+
+def test_freeze_keeps_trunk_and_bn_statistics_bitwise_and_restores(tmp_path: Path) -> None:
+    model = Net()
+    before, shape = state(model), fingerprint(model)
+    callback = IsolationCallback(freeze=["trunk"], verify_every_n_steps=1)
+    # Validation every epoch: Lightning's _ModuleMode.restore then sets `training` back by
+    # assignment, and model.train() runs every epoch; neither may wake the frozen BatchNorm.
+    trainer(tmp_path, [callback]).fit(model, loader(), loader(n=32))
+    moved = changed(before, state(model))
+    assert not {k for k in moved if k.startswith("trunk.")}
+    assert {"head.weight", "head.bias", "aux.0.weight"} <= moved
+    assert fingerprint(model) == shape  # flags, identities, modes, hooks: as before fit
+
+    # The control: with bn="train" the same run moves the statistics (and only them).
+    model = Net()
+    callback = IsolationCallback(freeze=["trunk"], bn="train", verify_every_n_steps=1)
+    trainer(tmp_path / "bn-train", [callback]).fit(model, loader(), loader(n=32))
+    moved = {k for k in changed(before, state(model)) if k.startswith("trunk.")}
+    assert moved == {"trunk.1.running_mean", "trunk.1.running_var", "trunk.1.num_batches_tracked"}
+
+
+# --------------------------------------------------------------------------------------------
+# Detaching and cloning
+
+
+def test_detached_aux_loss_leaves_trunk_as_without_it(tmp_path: Path) -> None:
+    def run(model: Net, callbacks: list[pl.Callback], sub: str) -> dict[str, torch.Tensor]:
+        trainer(tmp_path / sub, callbacks).fit(model, loader())
+        return state(model)
+
+    class Wrapped(pl.Callback):
+        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen.append(
+                isinstance(pl_module.aux, Detached)
+                and pl_module.aux.module is inner
+                and [id(p) for p in pl_module.parameters()] == ids
+                and list(pl_module.state_dict()) == keys
+            )
+
+    model = Net()
+    inner, ids, keys = model.aux, [id(p) for p in model.parameters()], list(model.state_dict())
+    initial, shape, seen = state(model), fingerprint(model), []
+    # verify_every_n_steps=1: by default the named aux loss must not reach anything upstream
+    # of the detached branch (the trunk); that is checked at every step here.
+    detached = run(
+        model, [IsolationCallback(detach=["aux"], verify_every_n_steps=1), Wrapped()], "d"
+    )
+    assert seen == [True]  # wrapped in place: same parameters, same state_dict keys
+    assert fingerprint(model) == shape and model.aux is inner  # unwrapped at teardown
+    assert "aux.0.weight" in changed(initial, detached)  # the branch still learns
+
+    without_aux = run(Net(aux=False), [], "without")
+    attached = run(Net(), [], "attached")
+    cloned = run(Net(), [IsolationCallback(clone=["aux"], verify_every_n_steps=1)], "cloned")
+    trunk = [k for k in initial if k.startswith("trunk.")]
+    assert all(torch.equal(detached[k], without_aux[k]) for k in trunk)
+    assert not all(torch.equal(attached[k], without_aux[k]) for k in trunk)  # the control
+    assert not changed(attached, cloned)  # Cloned lets gradient through and changes no value
+
+
+# --------------------------------------------------------------------------------------------
+# The thaw schedule
+
+
+@pytest.mark.parametrize("all_params", [False, True], ids=["trainable-only", "all-params"])
+def test_thaw_by_epoch_learns_from_then_once_with_its_lr(tmp_path: Path, all_params: bool) -> None:
+    # all-params: the optimizer holds the frozen trunk in a weight-decay group, and a cosine
+    # schedule must learn of the new group.
+    model = Net(all_params=all_params, weight_decay=1e-4, scheduler=all_params)
+    initial = state(model.trunk)
+    probe = Probe()
+    callback = IsolationCallback(freeze=["trunk"], thaw=[Thaw("trunk", epoch=1, lr=0.05)])
+    fit = trainer(tmp_path, [callback, probe], max_epochs=3)
+    if all_params:
+        with pytest.warns(IsolationWarning, match=r"took 6 frozen parameters out") as caught:
+            fit.fit(model, loader())
+        message = str(next(w.message for w in caught if w.category is IsolationWarning))
+        assert "'trunk.0.weight'" in message and "weight_decay=0.0001" in message
+    else:
+        fit.fit(model, loader())
+    assert probe.flags == [False, True, True]
+    assert probe.groups[0] == []  # out of the optimizer while frozen
+    assert probe.groups[1] == [(1, 0.05)] * 6  # each trunk parameter exactly once, new group
+    assert not changed(initial, probe.ends[0])
+    assert set(TRUNK) <= changed(initial, probe.ends[1])  # every trunk tensor learns once thawed
+    lrs = {lr for _, lr in probe.groups[2]}
+    if all_params:
+        scheduler = fit.lr_scheduler_configs[0].scheduler
+        assert scheduler.base_lrs == [0.1, 0.05]  # type: ignore[attr-defined]
+        assert len(lrs) == 1 and 0 < lrs.pop() < 0.05  # scheduled from the thaw on
+    else:
+        assert lrs == {0.05}
+
+
+def test_thaw_by_step_adds_by_identity_not_by_value(tmp_path: Path) -> None:
+    model = Net()
+    with torch.no_grad():  # a trainable parameter equal in shape and value to a thawed one
+        model.aux[0].bias.copy_(model.trunk[0].bias)
+    # Lightning's BaseFinetuning decides by value, so it would leave the thawed bias out.
+    held = torch.optim.SGD(model.aux.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="already exist within another group"):
+        kept = BaseFinetuning.filter_on_optimizer(
+            held, [model.trunk[0].weight, model.trunk[0].bias]
+        )
+    assert [p is model.trunk[0].weight for p in kept] == [True]
+
+    counts: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            groups = trainer.optimizers[0].param_groups
+            counts.append(sum(q is model.trunk[0].bias for g in groups for q in g["params"]))
+
+    before = state(model.trunk)
+    callback = IsolationCallback(freeze=["trunk.0"], thaw=[Thaw("trunk.0", step=2, lr=0.05)])
+    trainer(tmp_path, [callback, Count()], max_steps=4).fit(model, loader())
+    assert counts == [0, 0, 1, 1]
+    assert {"0.weight"} <= changed(before, state(model.trunk))
+
+
+def test_frozen_parameters_with_zero_grads_stay_put(tmp_path: Path) -> None:
+    model = Net(all_params=True, weight_decay=0.1)
+    initial = state(model.trunk)
+
+    class ZeroGrads(pl.Callback):  # the trap: zero-filled grads instead of None
+        def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+            for p in model.trunk.parameters():
+                p.grad = torch.zeros_like(p)
+
+    callback = IsolationCallback(freeze=["trunk"], verify_every_n_steps=1)
+    with pytest.warns(IsolationWarning, match="took 6 frozen parameters out"):
+        trainer(tmp_path, [callback, ZeroGrads()]).fit(model, loader())
+    assert not changed(initial, state(model.trunk))
+
+
+# --------------------------------------------------------------------------------------------
+# Checks while training
+
+
+def test_leaks_raise_or_warn_naming_parameters(tmp_path: Path) -> None:
+    model = Net()
+    shape = fingerprint(model)
+    callback = IsolationCallback(protect={"aux": ["trunk"]}, verify_every_n_steps=1)
+    with pytest.raises(GradientLeakError, match=r"^IsolationCallback: at step 0, loss 'aux' ") as e:
+        trainer(tmp_path, [callback]).fit(model, loader())
+    assert all(f"'trunk.{name}'" in str(e.value) for name in TRUNK[:4])
+    assert "protect['aux']" in str(e.value) and "AddmmBackward0" in str(e.value)
+    assert fingerprint(model) == shape  # the exception path restores too
+
+    callback = IsolationCallback(
+        protect={"aux": ["trunk.0"]}, verify_every_n_steps=3, on_violation="warn"
+    )
+    with pytest.warns(IsolationWarning, match=r"loss 'aux' reaches 2 protected") as caught:
+        trainer(tmp_path / "warn", [callback]).fit(Net(), loader())
+    assert len([w for w in caught if w.category is IsolationWarning]) == 3  # steps 0, 3, 6
+
+    callback = IsolationCallback(  # detached: the same protection holds
+        detach=["aux"], protect={"aux": ["trunk", "head"]}, verify_every_n_steps=1
+    )
+    trainer(tmp_path / "detached", [callback]).fit(Net(), loader())
+
+
+def test_violations_name_what_went_wrong(tmp_path: Path, subtests: pytest.Subtests) -> None:
+    with subtests.test("a forward that bypasses the Detached wrapper"):
+        callback = IsolationCallback(detach=["aux"], verify_every_n_steps=1)
+        with pytest.raises(GradientLeakError, match=r"detach branch 'aux' \['aux.0.weight'"):
+            trainer(tmp_path / "a", [callback]).fit(Net(bypass=True), loader())
+    with subtests.test("a frozen parameter moved by hand"):
+        callback = IsolationCallback(freeze=["trunk"], verify_every_n_steps=2)
+        with pytest.raises(DriftError, match=r"(?s)moved \(at step 0\).*trunk\.0\.weight  \("):
+            trainer(tmp_path / "b", [callback]).fit(Net(nudge=True), loader())
+    with subtests.test("protect names a loss that training_step does not set"):
+        callback = IsolationCallback(protect={"aux": ["trunk"]}, verify_every_n_steps=1)
+        with pytest.raises(SpecError, match=r"did not set self\.isolation_losses at step 0"):
+            trainer(tmp_path / "c", [callback]).fit(Net(aux=False), loader())
+
+
+def test_grad_norms_reach_the_logger(tmp_path: Path) -> None:
+    logger = CSVLogger(tmp_path, name="csv")
+    callback = IsolationCallback(
+        freeze=["trunk"],
+        detach=["aux"],
+        thaw=[Thaw("trunk", epoch=1, lr=0.05)],
+        verify_every_n_steps=2,
+    )
+    trainer(tmp_path, [callback], logger=logger, log_every_n_steps=1).fit(Net(), loader())
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f) if r["isolation/grad_norm/total"]}
+    assert sorted(rows) == [0, 2, 4, 6]
+    for step, row in rows.items():
+        assert float(row["isolation/grad_norm/aux"]) > 0
+        assert float(row["isolation/grad_norm/rest"]) > 0
+        thawed = row["isolation/grad_norm/trunk"]
+        assert (float(thawed) > 0) if step >= 4 else thawed == ""
+
+
+# --------------------------------------------------------------------------------------------
+# Validation before the first step
+
+
+INVALID: list[tuple[str, dict[str, Any], dict[str, Any], type[Exception], str]] = [
+    (
+        "unknown selector",
+        {"freeze": ["backbone"]},
+        {},
+        SelectorError,
+        r"^IsolationCallback\(freeze\): 'backbone' matched no parameter of Net; its "
+        r"children are \['trunk', 'head', 'aux'\]",
+    ),
+    (
+        "unknown branch",
+        {"detach": ["probe"]},
+        {},
+        SelectorError,
+        r"^IsolationCallback\(detach\): 'probe' is not a submodule of Net",
+    ),
+    (
+        "detach and clone of one branch",
+        {"detach": ["aux"], "clone": ["aux"]},
+        {},
+        SpecError,
+        r"^IsolationCallback: \['aux'\] are both in detach and clone",
+    ),
+    (
+        "thaw outside freeze",
+        {"freeze": ["trunk.0"], "thaw": [Thaw("trunk", epoch=1, lr=0.1)]},
+        {},
+        SpecError,
+        r"^IsolationCallback: thaw group 'trunk' selects 4 parameters that freeze does not "
+        r"freeze: \['trunk.1.weight', 'trunk.1.bias', 'trunk.3.weight', 'trunk.3.bias'\]",
+    ),
+    (
+        "overlapping thaws",
+        {"freeze": ["trunk"], "thaw": [Thaw("trunk.0", epoch=1), Thaw("trunk.*", step=3)]},
+        {},
+        SpecError,
+        r"^IsolationCallback: thaw groups 'trunk.0' and 'trunk.\*' both select "
+        r"\['trunk.0.weight', 'trunk.0.bias'\]",
+    ),
+    (
+        "thawed parameters in no optimizer",
+        {"freeze": ["trunk"], "thaw": [Thaw("trunk", epoch=1)]},
+        {},
+        SpecError,
+        r"^IsolationCallback: thaw group 'trunk': lr is not set and its parameters "
+        r"\['trunk.0.weight', .*\] are in no optimizer group",
+    ),
+    (
+        "no such optimizer",
+        {"freeze": ["trunk"], "thaw": [Thaw("trunk", epoch=1, lr=0.1, optimizer_idx=1)]},
+        {},
+        SpecError,
+        r"optimizer_idx=1 but configure_optimizers returned 1 optimizer\(s\)",
+    ),
+    (
+        "frozen parameters in a weight-decay group",
+        {"freeze": ["trunk"], "frozen_in_optimizer": "error"},
+        {"all_params": True, "weight_decay": 1e-4},
+        SpecError,
+        r"^IsolationCallback: 6 frozen parameters sit in an optimizer.*\n  trunk.0.weight: "
+        r"optimizer 0, param group 0 \(weight_decay=0.0001, momentum=0.9\)",
+    ),
+]
+
+
+def test_invalid_spec_leaves_model_unchanged(tmp_path: Path, subtests: pytest.Subtests) -> None:
+    for i, (case, spec, net, error, match) in enumerate(INVALID):
+        with subtests.test(case):
+            model = Net(**net)
+            before, shape = state(model), fingerprint(model)
+            with pytest.raises(error, match=match):
+                trainer(tmp_path / str(i), [IsolationCallback(**spec)]).fit(model, loader())
+            assert fingerprint(model) == shape
+            assert not changed(before, state(model))
+
+
+def test_constructor_rejects_bad_arguments(subtests: pytest.Subtests) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"thaw": [{"select": "trunk"}]}, r"^Thaw\('trunk'\): give exactly one of epoch"),
+        ({"thaw": [{"select": "trunk", "epoc": 1}]}, r"thaw\[0\] has unknown keys \['epoc'\]"),
+        ({"thaw": [Thaw("a", epoch=1), Thaw("a", step=1)]}, r"share the names \['a'\]"),
+        ({"thaw": [{"select": "a", "epoch": 1, "lr": 0}]}, r"lr must be a finite number > 0"),
+        ({"clone": [1]}, r"^IsolationCallback: clone must be a list of non-empty strings"),
+        ({"on_violation": "ignore"}, r"on_violation must be 'raise' or 'warn'"),
+        ({"protect": {"aux": []}}, r"protect\['aux'\] select nothing"),
+    ]
+    for kwargs, match in cases:
+        with subtests.test(match), pytest.raises(SpecError, match=match):
+            IsolationCallback(**kwargs)
+    assert IsolationCallback(freeze="trunk").freeze == ("trunk",)  # one selector, not 5
+    assert issubclass(SpecError, IsolationError) and issubclass(SpecError, ValueError)
+    assert issubclass(CheckpointMismatchError, IsolationError)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _spec() -> IsolationCallback:
+    return IsolationCallback(
+        freeze=["trunk"],
+        detach=["aux"],
+        thaw=[Thaw("trunk", epoch=1, lr=0.05)],
+        verify_every_n_steps=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Path]:
+    """Four epochs, thaw at epoch 1, a checkpoint after each epoch."""
+    root = tmp_path_factory.mktemp("full")
+    every = ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, every_n_epochs=1)
+    model = Net()
+    fit = trainer(root, [_spec(), every], max_epochs=4, enable_checkpointing=True)
+    fit.fit(model, loader())
+    return state(model), root / "ckpt"
+
+
+def test_resume_continues_identically(
+    tmp_path: Path, full_run: tuple[dict[str, torch.Tensor], Path]
+) -> None:
+    final, ckpts = full_run
+    # After the thaw: not frozen again, same param groups, same final weights, bit for bit.
+    probe = Probe()
+    model = Net(seed=1)  # other initial values: everything must come from the checkpoint
+    resumed = trainer(tmp_path / "after", [_spec(), probe], max_epochs=4)
+    resumed.fit(model, loader(), ckpt_path=ckpts / "epoch=1-step=8.ckpt")
+    assert probe.flags == [True, True]
+    assert probe.groups[0] == [(1, 0.05)] * 6
+    assert not changed(final, state(model))
+    # Before the thaw: the schedule still thaws at epoch 1.
+    probe = Probe()
+    model = Net(seed=1)
+    resumed = trainer(tmp_path / "before", [_spec(), probe], max_epochs=4)
+    resumed.fit(model, loader(), ckpt_path=ckpts / "epoch=0-step=4.ckpt")
+    assert probe.flags == [True, True, True]
+    assert not changed(final, state(model))
+
+
+def test_checkpoint_of_another_spec_is_refused(
+    tmp_path: Path, full_run: tuple[dict[str, torch.Tensor], Path]
+) -> None:
+    _, ckpts = full_run
+    model = Net()
+    shape = fingerprint(model)
+    other = IsolationCallback(
+        freeze=["trunk.0"], detach=["aux"], thaw=[Thaw("trunk.0", epoch=1, lr=0.05)]
+    )
+    with pytest.raises(CheckpointMismatchError, match=r"different isolation spec") as e:
+        trainer(tmp_path, [other], max_epochs=4).fit(
+            model, loader(), ckpt_path=ckpts / "epoch=1-step=8.ckpt"
+        )
+    assert "freeze: only in the checkpoint ['trunk.1.weight', 'trunk.1.bias'" in str(e.value)
+    assert fingerprint(model) == shape
+
+    # A checkpoint written without the callback: unknown what was frozen.
+    plain = trainer(tmp_path / "plain", [], max_epochs=1, enable_checkpointing=True)
+    plain.fit(Net(), loader())
+    path = next((tmp_path / "plain" / "checkpoints").glob("*.ckpt"))
+    with pytest.raises(CheckpointMismatchError, match=r"holds no IsolationCallback state"):
+        trainer(tmp_path, [_spec()], max_epochs=2).fit(model, loader(), ckpt_path=path)
+    assert fingerprint(model) == shape
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+def test_yaml_builds_the_callback() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--callback", type=IsolationCallback)
+    config = parser.parse_string(
+        """
+        callback:
+          class_path: isolate.lightning.IsolationCallback
+          init_args:
+            freeze: [trunk]
+            detach: [aux]
+            thaw:
+              - select: [trunk.3]
+                epoch: 2
+                lr: 0.001
+            protect:
+              aux: [trunk, head]
+            verify_every_n_steps: 10
+            on_violation: warn
+        """
+    )
+    callback = parser.instantiate(config).callback
+    assert isinstance(callback, IsolationCallback)
+    assert callback.thaw == (Thaw(["trunk.3"], epoch=2, lr=0.001),)
+    assert callback.protect == {"aux": ("trunk", "head")}
+    assert (callback.verify_every_n_steps, callback.on_violation) == (10, "warn")
