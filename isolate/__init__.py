@@ -7,6 +7,7 @@ exact undo, and prove that a loss cannot reach what it must not touch.
 from isolate.auditing import (
     GradientInvariance,
     GradientReport,
+    GroupStats,
     assert_isolated,
     gradient_invariance,
     gradient_report,
@@ -39,6 +40,7 @@ __all__ = [
     "GradientLeakError",
     "GradientReport",
     "GradientScale",
+    "GroupStats",
     "InplaceModificationError",
     "IsolationError",
     "IsolationTypeError",

@@ -158,9 +158,7 @@ class _ScaleGradient(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        if ctx.alpha == 0.0:
-            return None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.alpha, None
 
 
@@ -197,6 +195,9 @@ def scale_gradient(x: Any, alpha: float) -> Any:
     caller = "scale_gradient()"
     _check_structure(x, caller)
     factor = _check_alpha(alpha, caller)
+    if factor == 0.0:
+        # A real cut, so that graph walks (reachable_parameters) see it too.
+        return map_tensors(torch.Tensor.detach, x)
     return map_tensors(lambda t: _ScaleGradient.apply(t, factor), x)
 
 

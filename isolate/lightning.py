@@ -41,6 +41,7 @@ from isolate.errors import (
     GradientLeakError,
     IsolationError,
     IsolationTypeError,
+    IsolationWarning,
     SelectorError,
     WrappingError,
 )
@@ -61,6 +62,7 @@ LOSSES_ATTRIBUTE = "isolation_losses"
 _CALLER = "IsolationCallback"
 _STATE_FORMAT = 1
 _SHOW = 8  # how many names an error message lists before "... and N more"
+_RANK_CHECK_BUCKET = 1 << 22  # elements per all-reduce when comparing ranks (32 MiB in float64)
 
 
 class SpecError(IsolationError, ValueError):
@@ -73,10 +75,6 @@ class CheckpointMismatchError(IsolationError, ValueError):
 
 class RankDivergenceError(DriftError):
     """Parameters differ across the processes of a distributed run."""
-
-
-class IsolationWarning(UserWarning):
-    """A violation reported with ``on_violation="warn"``, or an optimizer the callback changed."""
 
 
 def _names(names: Iterable[str]) -> str:
@@ -333,8 +331,9 @@ class IsolationCallback(Callback):
       synchronised; after the next step it checks that parameters are identical on all ranks.
     * every ``verify_every_n_steps`` optimizer steps: checks that the named losses reach no
       protected parameter (a walk of the autograd graph, no extra backward), that frozen
-      parameters and held BatchNorm buffers have not moved, that no frozen parameter is back
-      in an optimizer with weight decay or momentum, that ranks agree, and logs gradient
+      parameters and held BatchNorm buffers have not moved (against a copy in host memory),
+      that no frozen parameter is back in an optimizer with weight decay or momentum, that
+      ranks agree (two all-reduces of the parameters, in 32 MiB buckets), and logs gradient
       norms per group to the trainer's loggers as ``isolation/grad_norm/<group>``.
     * checkpoints store the spec, what is frozen and which groups were thawed when, by
       parameter name; resuming thaws those groups again before DDP wraps the model, and a
@@ -387,7 +386,8 @@ class IsolationCallback(Callback):
 
         * BatchNorm running statistics ignore ``requires_grad``, and Lightning calls
           ``model.train()`` every epoch and resets ``training`` flags after validation by
-          assignment; ``bn="eval"`` enforces eval mode in a forward pre-hook instead.
+          assignment; ``bn="eval"`` enforces eval mode in a forward pre-hook instead (so
+          Lightning's "Found N module(s) in eval mode" warning at fit start is expected).
         * Optimizers move parameters whose ``.grad`` is a zero tensor (weight decay,
           momentum): frozen parameters are taken out of the optimizers, and a thawed group
           is added by identity, exactly once (Lightning's ``BaseFinetuning`` compares values,
@@ -1047,12 +1047,11 @@ class IsolationCallback(Callback):
         upstream: dict[str, nn.Parameter] = {}
         if run.protect is None and run.branch_inputs:
             inputs = [t for ts in run.branch_inputs.values() for t in ts]
-            for name in reachable_parameters(inputs, model):
-                p = run.by_name[name]
-                upstream.setdefault(run.param_names[id(p)], p)
+            for p in self._reached(run, model, inputs):
+                upstream.setdefault(self._name(run, p), p)
         frozen = run.frozen_now()
         for loss_name, loss in losses.items():
-            reached = {id(run.by_name[n]) for n in reachable_parameters(loss, model)}
+            reached = {id(p) for p in self._reached(run, model, [loss])}
             self._check_bypass(run, loss_name, reached, step)
             protected = dict(frozen)
             if run.protect is None:
@@ -1078,11 +1077,24 @@ class IsolationCallback(Callback):
                     )
                 )
 
+    def _reached(
+        self, run: _Run, model: nn.Module, outputs: list[torch.Tensor]
+    ) -> list[nn.Parameter]:
+        names = reachable_parameters(outputs, model)
+        if any(n not in run.by_name for n in names):  # modules added after setup
+            run.by_name = dict(model.named_parameters(remove_duplicate=False))
+        return [run.by_name[n] for n in names]
+
+    def _name(self, run: _Run, p: torch.Tensor) -> str:
+        if id(p) not in run.param_names:  # added after setup (configure_model)
+            run.param_names, run.buffer_names = _clean_names(run.model)
+        return run.param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+
     def _check_bypass(self, run: _Run, loss_name: str, reached: set[int], step: int) -> None:
         for w in run.wraps:
             if w.kind != "detach" or w.name in run.branch_inputs:
                 continue
-            inside = [run.param_names[id(p)] for p in w.child.parameters() if id(p) in reached]
+            inside = [self._name(run, p) for p in w.child.parameters() if id(p) in reached]
             if inside:
                 self._violation(
                     GradientLeakError(
@@ -1175,7 +1187,8 @@ class IsolationCallback(Callback):
             for m in run.norms_now().values():
                 for b in m.buffers(recurse=False):
                     tensors[run.buffer_names.get(id(b), f"<buffer of {type(m).__name__}>")] = b
-        run.snapshot = snapshot(tensors, device=None) if tensors else None
+        # Copies live in host memory: a frozen backbone must not cost accelerator memory twice.
+        run.snapshot = snapshot(tensors, device="cpu") if tensors else None
 
     def _check_drift(self, run: _Run, when: str) -> None:
         if run.snapshot is None:
@@ -1206,7 +1219,7 @@ class IsolationCallback(Callback):
                 p = opt.param_groups[e.group]["params"][e.index]
                 if id(p) in frozen and e.at_risk:
                     exposed.append(
-                        f"{run.param_names[id(p)]} (optimizer {oi}, group {e.group}: "
+                        f"{self._name(run, p)} (optimizer {oi}, group {e.group}: "
                         f"{'; '.join(e.reasons)})"
                     )
         if exposed:
@@ -1222,32 +1235,25 @@ class IsolationCallback(Callback):
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return
         params = list({id(p): p for p in run.model.parameters()}.values())
-        if not params:
-            return
-        flats = []
-        for p in params:
+        # Exact: the elementwise max and min over ranks agree only where every rank holds the
+        # same value. Buckets bound the extra memory (float64 holds every float16/32 exactly).
+        spread: dict[int, tuple[int, float]] = {}
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i, p in enumerate(params):
             t = p.detach()
-            flats.append((torch.view_as_real(t) if t.is_complex() else t).reshape(-1).double())
-        flat = torch.cat(flats)
-        high, low = flat.clone(), flat.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        differ = (high != low) & ~(high.isnan() & low.isnan())
-        if not bool(differ.any()):
+            bucket.append((torch.view_as_real(t) if t.is_complex() else t).reshape(-1))
+            size += bucket[-1].numel()
+            if size >= _RANK_CHECK_BUCKET or i == len(params) - 1:
+                self._reduce_bucket(bucket, i - len(bucket) + 1, spread)
+                bucket, size = [], 0
+        if not spread:
             return
-        spread = (high - low).abs()
-        lines: list[str] = []
-        names: list[str] = []
-        offset = 0
-        for p, f in zip(params, flats, strict=True):
-            size = f.numel()
-            count = int(differ[offset : offset + size].sum())
-            if count:
-                name = run.param_names.get(id(p), "<unnamed>")
-                names.append(name)
-                top = float(spread[offset : offset + size].max())
-                lines.append(f"  {name}: {count} of {size} elements, max spread {top:.3e}")
-            offset += size
+        names = [self._name(run, params[i]) for i in spread]
+        lines = [
+            f"  {name}: {count} of {params[i].numel()} elements, max spread {top:.3e}"
+            for name, (i, (count, top)) in zip(names, spread.items(), strict=True)
+        ]
         self._violation(
             RankDivergenceError(
                 f"{_CALLER}: parameters differ across the {dist.get_world_size()} ranks "
@@ -1258,6 +1264,26 @@ class IsolationCallback(Callback):
                 "by setting requires_grad in another callback or in model code"
             )
         )
+
+    @staticmethod
+    def _reduce_bucket(
+        bucket: list[torch.Tensor], first: int, spread: dict[int, tuple[int, float]]
+    ) -> None:
+        flat = torch.cat([t.double() for t in bucket])
+        high, low = flat.clone(), flat
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        differ = (high != low) & ~(high.isnan() & low.isnan())
+        if not bool(differ.any()):
+            return
+        gap = (high - low).abs()
+        offset = 0
+        for j, t in enumerate(bucket):
+            n = t.numel()
+            count = int(differ[offset : offset + n].sum())
+            if count:
+                spread[first + j] = (count, float(gap[offset : offset + n].max()))
+            offset += n
 
     def _violation(self, error: IsolationError) -> None:
         if self.on_violation == "raise":

@@ -1,14 +1,14 @@
 """Assertions for your own test suite, and a pytest plugin with fixtures built on them.
 
 Import it explicitly (``import isolate.testing``); ``import isolate`` never imports pytest.
-Installing ``isolate`` registers this module as a pytest plugin (entry point ``isolate`` in
-the ``pytest11`` group), which provides the :func:`isolation_snapshot` fixture.
+Installing ``isolate`` registers this module as a pytest plugin (entry point
+``isolate.testing`` in the ``pytest11`` group), which provides the
+:func:`isolation_snapshot` fixture.
 
 Note:
-    The plugin is already loaded by its entry point: do not also list it in
-    ``pytest_plugins`` or pass ``-p isolate.testing``, or pytest refuses to register the same
-    module a second time under another name. With ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` set,
-    load it with ``-p isolate`` instead.
+    The plugin is loaded by its entry point. The entry point has the module's own name, so
+    listing it in ``pytest_plugins`` or passing ``-p isolate.testing`` as well is harmless;
+    with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` set, ``-p isolate.testing`` loads it.
 
 The helpers are plain functions and work without pytest:
 

@@ -97,8 +97,8 @@ def test_plugin_is_registered_once_under_its_entry_point_name(
 ) -> None:
     """The suite's own --doctest-modules import of isolate/testing.py is the same module."""
     manager = pytestconfig.pluginmanager
-    assert manager.get_plugin("isolate") is plugin
-    assert [name for name, p in manager.list_name_plugin() if p is plugin] == ["isolate"]
+    assert manager.get_plugin("isolate.testing") is plugin
+    assert [name for name, p in manager.list_name_plugin() if p is plugin] == ["isolate.testing"]
     assert sys.modules["isolate.testing"] is plugin
 
 
@@ -128,7 +128,7 @@ def test_plugin_loads_by_name_without_autoload(
 ) -> None:
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(test_inner=textwrap.dedent(INNER_TEST))
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "isolate")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "isolate.testing")
     result.assert_outcomes(passed=1)
     missing = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     missing.assert_outcomes(errors=1)  # no plugin, no fixture
