@@ -3,13 +3,13 @@
 Usage: ``python tests/_lightning_ddp_script.py OUT_DIR``. Lightning's ``ddp`` strategy starts
 the second process by running this same command again; both processes then run:
 
-* ``isolate``: IsolationCallback freezes the trunk, detaches the aux branch and thaws the
-  trunk at epoch 1;
+* ``isolate``: IsolationCallback freezes the trunk, detaches the aux branch, thaws
+  ``trunk.0`` before step 1 and the rest of the trunk at epoch 1 (2 steps per epoch);
 * ``backbone``: Lightning's BackboneFinetuning thaws the trunk at epoch 1 (the negative
   control), with an IsolationCallback that only checks (``on_violation="warn"``).
 
-Each rank writes ``OUT_DIR/<mode>-rank<r>.json``: a checksum of every parameter at the end
-of each epoch, the number of parameters DDP synchronises at each epoch start, and the
+Each rank writes ``OUT_DIR/<mode>-rank<r>.json``: a checksum of every parameter at fit start
+and at the end of each epoch, the number of parameters DDP synchronises at each epoch start, and the
 callback's warnings.
 """
 
@@ -24,20 +24,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from _lightning_models import Net, loader, trainer
+from _lightning_models import BackboneNet, Net, loader, trainer
 from pytorch_lightning.callbacks import BackboneFinetuning
-from torch import nn
 
 import isolate.lightning
 from isolate.lightning import IsolationCallback, IsolationWarning, Thaw
-
-
-class BackboneNet(Net):
-    """The same network, with the ``backbone`` attribute BackboneFinetuning requires."""
-
-    @property
-    def backbone(self) -> nn.Module:
-        return self.trunk
 
 
 class Record(pl.Callback):
@@ -49,6 +40,9 @@ class Record(pl.Callback):
         # How many parameters the DDP wrapper synchronises (private API: the point of the test).
         ddp = trainer.strategy.model
         self.synced.append(int(ddp._get_ddp_logging_data()["num_parameter_tensors"]))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_train_epoch_end(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.checksums.append(
@@ -69,7 +63,10 @@ def run(out: Path, mode: str) -> None:
             IsolationCallback(
                 freeze=["trunk"],
                 detach=["aux"],
-                thaw=[Thaw("trunk", epoch=1, lr=0.05)],
+                thaw=[
+                    Thaw("trunk.0", step=1, lr=0.05),
+                    Thaw(["trunk.1", "trunk.3"], epoch=1, lr=0.05),
+                ],
                 verify_every_n_steps=1,
             )
         ]

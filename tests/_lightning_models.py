@@ -81,6 +81,14 @@ class Net(pl.LightningModule):
         return [opt], [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)]
 
 
+class BackboneNet(Net):
+    """The same network, with the ``backbone`` attribute Lightning's BackboneFinetuning needs."""
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.trunk
+
+
 def loader(n: int = 64, batch_size: int = 16, seed: int = 123) -> DataLoader[Any]:
     """Random inputs, class labels and regression targets, in a fixed order."""
     g = torch.Generator().manual_seed(seed)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from _lightning_models import Net, loader, state, trainer
-from pytorch_lightning.callbacks import BaseFinetuning, ModelCheckpoint
+from _lightning_models import BackboneNet, Net, loader, state, trainer
+from pytorch_lightning.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 
@@ -419,6 +419,27 @@ def test_resume_continues_identically(
     resumed.fit(model, loader(), ckpt_path=ckpts / "epoch=0-step=4.ckpt")
     assert probe.flags == [True, True, True]
     assert not changed(final, state(model))
+
+
+@pytest.mark.filterwarnings("ignore:The provided params to be frozen already exist")
+def test_backbone_finetuning_freezes_again_on_resume(tmp_path: Path) -> None:
+    """The fault the callback avoids: Lightning's BackboneFinetuning, resumed after its thaw,
+    freezes the backbone again in setup(), and it never learns again."""
+
+    def finetuning() -> BackboneFinetuning:
+        return BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05)
+
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    model = BackboneNet()
+    fit = trainer(tmp_path, [finetuning(), every], max_epochs=3, enable_checkpointing=True)
+    fit.fit(model, loader())
+    probe = Probe()
+    resumed = BackboneNet(seed=1)
+    trainer(tmp_path / "resumed", [finetuning(), probe], max_epochs=3).fit(
+        resumed, loader(), ckpt_path=tmp_path / "ckpt" / "epoch=1-step=8.ckpt"
+    )
+    assert probe.flags == [False]  # frozen again, although the checkpoint is past the thaw
+    assert "0.weight" in changed(state(model.trunk), state(resumed.trunk))
 
 
 def test_checkpoint_of_another_spec_is_refused(

@@ -40,21 +40,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     }
 
 
-def _differing(ranks: list[dict[str, Any]], epoch: int) -> list[str]:
-    a, b = (r["checksums"][epoch] for r in ranks)
+def _differing(ranks: list[dict[str, Any]], at: int) -> list[str]:
+    """Parameters whose checksums differ between the ranks (at 0: fit start; at e + 1: the
+    end of epoch e)."""
+    a, b = (r["checksums"][at] for r in ranks)
     return sorted(name for name in a if a[name] != b[name])
 
 
-def test_thaw_keeps_ranks_identical(runs: dict[str, list[dict[str, Any]]]) -> None:
+def test_thaws_keep_ranks_identical(runs: dict[str, list[dict[str, Any]]]) -> None:
     ranks = runs["isolate"]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["world_size"] == 2
-    # Frozen before DDP wraps the model: it syncs head and aux only (6 tensors); after the
-    # thaw at epoch 1 the rebuilt wrapper syncs the trunk too (12).
+    # Frozen before DDP wraps the model, DDP syncs head and aux only (6 tensors); the thaws
+    # (trunk.0 before step 1, the rest of the trunk at epoch 1) rebuild it with all 12.
     assert ranks[0]["synced"] == ranks[1]["synced"] == [6, 12, 12]
-    for epoch in range(3):
-        assert _differing(ranks, epoch) == []
-    a = ranks[0]["checksums"]
-    assert all(a[1][k] != a[0][k] for k in ("trunk.0.weight", "trunk.3.weight"))  # it learns
+    for at in range(4):
+        assert _differing(ranks, at) == []
+    sums = ranks[0]["checksums"]
+    assert sums[1]["trunk.0.weight"] != sums[0]["trunk.0.weight"]  # learns from step 1
+    assert sums[1]["trunk.3.weight"] == sums[0]["trunk.3.weight"]  # frozen in epoch 0
+    assert sums[2]["trunk.3.weight"] != sums[1]["trunk.3.weight"]  # learns from epoch 1
     assert not ranks[0]["warnings"] and not ranks[1]["warnings"]
     assert ranks[0]["requires_grad_after_fit"]  # restored at teardown
 
@@ -63,12 +67,13 @@ def test_backbone_finetuning_diverges_and_is_reported(
     runs: dict[str, list[dict[str, Any]]],
 ) -> None:
     ranks = runs["backbone"]
-    assert _differing(ranks, 0) == []
-    diverged = _differing(ranks, 2)
-    assert {"trunk.0.weight", "trunk.3.weight"} <= set(diverged)
-    assert ranks[0]["synced"] == [8, 8, 8]  # the thawed trunk (but its BatchNorm) never joins DDP
+    assert _differing(ranks, 1) == []  # identical until the thaw at epoch 1
+    assert {"trunk.0.weight", "trunk.3.weight"} <= set(_differing(ranks, 3))
+    # BackboneFinetuning leaves BatchNorm trainable (train_bn=True), so DDP syncs head, aux
+    # and trunk.1: 8 tensors, and never the thawed trunk.0 / trunk.3.
+    assert ranks[0]["synced"] == [8, 8, 8]
     for rank in ranks:
         assert rank["warnings"], "the rank check did not report the divergence"
         first = rank["warnings"][0]
         assert first.startswith("IsolationCallback: parameters differ across the 2 ranks")
-        assert "'trunk.0.weight'" in first
+        assert "'trunk.0.weight'" in first and "'trunk.3.weight'" in first
