@@ -395,7 +395,8 @@ class IsolationCallback(Callback):
         * DDP synchronises only the parameters that required grad when it was built; a thaw
           under DDP wraps the model again (the new wrapper broadcasts rank 0's state), then
           checks that all ranks hold the same parameters. ``sync_batchnorm=True`` replaces
-          BatchNorm layers after setup and is refused with ``bn="eval"``.
+          BatchNorm layers after setup, which would drop the eval-mode hold: with
+          ``bn="eval"`` and frozen BatchNorm layers it is refused at fit start.
         * A submodule reached by another reference (an alias attribute, ``self.aux.module``)
           bypasses the wrapper: aliases registered on the model are refused, and a named
           loss that reaches a ``detach`` branch whose wrapper did not run is a violation.
@@ -766,6 +767,8 @@ class IsolationCallback(Callback):
         self._check_ranks(run, "at fit start")
 
     def _check_norms_present(self, run: _Run) -> None:
+        if self.bn != "eval":
+            return
         gone = _norm_policy_layers(run.model, run.norms.values())
         if gone:
             raise SpecError(

@@ -26,6 +26,8 @@ class Net(pl.LightningModule):
         bypass: call the aux branch through ``self.aux.module`` (skipping a wrapper).
         nudge: move ``trunk.0.weight`` by hand at every step (a drift the callback must see).
         scheduler: return a cosine LR schedule (stepped every epoch) with the optimizer.
+        replace_bn: build a new trunk BatchNorm in ``configure_model`` (after callback setup,
+            as ``sync_batchnorm=True`` does).
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class Net(pl.LightningModule):
         bypass: bool = False,
         nudge: bool = False,
         scheduler: bool = False,
+        replace_bn: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -48,7 +51,11 @@ class Net(pl.LightningModule):
         self.aux = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
         self.use_aux, self.all_params, self.bypass, self.nudge = aux, all_params, bypass, nudge
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.scheduler = scheduler
+        self.scheduler, self.replace_bn = scheduler, replace_bn
+
+    def configure_model(self) -> None:
+        if self.replace_bn:
+            self.trunk[1] = nn.BatchNorm1d(8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.trunk(x))

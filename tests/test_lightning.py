@@ -8,6 +8,7 @@ trunk -> aux; 64 samples in batches of 16 make 4 optimizer steps per epoch.
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,16 @@ def test_invalid_spec_leaves_model_unchanged(tmp_path: Path, subtests: pytest.Su
             assert not changed(before, state(model))
 
 
+def test_batchnorm_replaced_after_setup_is_refused(tmp_path: Path) -> None:
+    # What sync_batchnorm=True does (SyncBatchNorm needs GPUs): the held layer is gone.
+    model = Net(replace_bn=True)
+    callback = IsolationCallback(freeze=["trunk"])
+    with pytest.raises(SpecError, match=r"1 frozen BatchNorm layers were replaced .*'trunk.1'"):
+        trainer(tmp_path, [callback]).fit(model, loader())
+    assert all(p.requires_grad for p in model.parameters())
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
 def test_constructor_rejects_bad_arguments(subtests: pytest.Subtests) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         ({"thaw": [{"select": "trunk"}]}, r"^Thaw\('trunk'\): give exactly one of epoch"),
@@ -471,30 +482,48 @@ def test_checkpoint_of_another_spec_is_refused(
 # Configuration
 
 
-def test_yaml_builds_the_callback() -> None:
-    from jsonargparse import ArgumentParser
+@pytest.mark.filterwarnings("ignore::jsonargparse._deprecated.JsonargparseDeprecationWarning")
+def test_lightning_cli_builds_and_runs_the_callback_from_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytorch_lightning.cli import LightningCLI
 
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=IsolationCallback)
-    config = parser.parse_string(
-        """
-        callback:
-          class_path: isolate.lightning.IsolationCallback
-          init_args:
-            freeze: [trunk]
-            detach: [aux]
-            thaw:
-              - select: [trunk.3]
-                epoch: 2
-                lr: 0.001
-            protect:
-              aux: [trunk, head]
-            verify_every_n_steps: 10
-            on_violation: warn
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # the CLI reads args=, not pytest's argv
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+        seed_everything: 0
+        trainer:
+          default_root_dir: {tmp_path}
+          accelerator: cpu
+          max_steps: 6
+          logger: false
+          enable_checkpointing: false
+          enable_progress_bar: false
+          enable_model_summary: false
+          callbacks:
+            - class_path: isolate.lightning.IsolationCallback
+              init_args:
+                freeze: [trunk]
+                detach: [aux]
+                thaw:
+                  - select: [trunk.3]
+                    step: 4
+                    lr: 0.001
+                protect:
+                  aux: [trunk, head]
+                verify_every_n_steps: 2
+                on_violation: warn
+        model:
+          lr: 0.05
         """
     )
-    callback = parser.instantiate(config).callback
-    assert isinstance(callback, IsolationCallback)
-    assert callback.thaw == (Thaw(["trunk.3"], epoch=2, lr=0.001),)
+    cli = LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
+    callback = next(c for c in cli.trainer.callbacks if isinstance(c, IsolationCallback))
+    assert callback.thaw == (Thaw(["trunk.3"], step=4, lr=0.001),)
     assert callback.protect == {"aux": ("trunk", "head")}
-    assert (callback.verify_every_n_steps, callback.on_violation) == (10, "warn")
+    assert (callback.verify_every_n_steps, callback.on_violation) == (2, "warn")
+    before = state(cli.model.trunk)
+    cli.trainer.fit(cli.model, loader())
+    assert changed(before, state(cli.model.trunk)) == {"3.weight", "3.bias"}
