@@ -96,6 +96,35 @@ class BackboneNet(Net):
         return self.trunk
 
 
+class TwoOptimizerNet(Net):
+    """Manual optimization: head (and whatever requires grad in the trunk) in optimizer 0,
+    the aux branch in optimizer 1, each stepped on its own loss."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, z = batch
+        main_opt, aux_opt = self.optimizers()  # type: ignore[misc]
+        features = self.trunk(x)
+        main = F.cross_entropy(self.head(features), y)
+        aux = F.mse_loss(self.aux(features).squeeze(-1), z)
+        self.isolation_losses = {"aux": aux}
+        main_opt.zero_grad()
+        aux_opt.zero_grad()
+        self.manual_backward(main + aux)
+        main_opt.step()
+        aux_opt.step()
+
+    def configure_optimizers(self) -> Any:
+        main = [*self.trunk.parameters(), *self.head.parameters()]
+        return (
+            torch.optim.SGD([p for p in main if p.requires_grad], lr=self.lr),
+            torch.optim.SGD(self.aux.parameters(), lr=self.lr),
+        )
+
+
 def loader(n: int = 64, batch_size: int = 16, seed: int = 123) -> DataLoader[Any]:
     """Random inputs, class labels and regression targets, in a fixed order."""
     g = torch.Generator().manual_seed(seed)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from _lightning_models import BackboneNet, Net, loader, state, trainer
+from _lightning_models import BackboneNet, Net, TwoOptimizerNet, loader, state, trainer
 from pytorch_lightning.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
@@ -216,6 +216,32 @@ def test_frozen_parameters_with_zero_grads_stay_put(tmp_path: Path) -> None:
     with pytest.warns(IsolationWarning, match="took 6 frozen parameters out"):
         trainer(tmp_path, [callback, ZeroGrads()]).fit(model, loader())
     assert not changed(initial, state(model.trunk))
+
+
+def test_thaw_into_the_chosen_optimizer_under_manual_optimization(tmp_path: Path) -> None:
+    def callback(**thaw: Any) -> IsolationCallback:
+        return IsolationCallback(
+            freeze=["trunk"], detach=["aux"], thaw=[Thaw("trunk", **thaw)], verify_every_n_steps=2
+        )
+
+    # Two optimizers and none holds the trunk: which one gets it must be said.
+    model = TwoOptimizerNet()
+    with pytest.raises(SpecError, match=r"in no optimizer and configure_optimizers returned 2"):
+        trainer(tmp_path / "a", [callback(epoch=1, lr=0.05)]).fit(model, loader())
+
+    model = TwoOptimizerNet()
+    before = state(model.trunk)
+    fit = trainer(tmp_path / "b", [callback(epoch=1, lr=0.05, optimizer_idx=0)])
+    fit.fit(model, loader())
+    held = [
+        (o, g)
+        for o, opt in enumerate(fit.optimizers)
+        for g, group in enumerate(opt.param_groups)
+        for q in group["params"]
+        if q is model.trunk[0].weight
+    ]
+    assert held == [(0, 1)]
+    assert {"0.weight", "3.weight"} <= changed(before, state(model.trunk))
 
 
 # --------------------------------------------------------------------------------------------
