@@ -203,6 +203,19 @@ def test_thaw_by_step_adds_by_identity_not_by_value(tmp_path: Path) -> None:
     assert {"0.weight"} <= changed(before, state(model.trunk))
 
 
+@pytest.mark.filterwarnings("ignore:.*took 6 frozen parameters out")
+def test_thaw_without_lr_returns_to_the_settings_of_its_group(tmp_path: Path) -> None:
+    model = Net(all_params=True, lr=0.1, momentum=0.5, weight_decay=0.01)
+    callback = IsolationCallback(freeze=["trunk"], thaw=[Thaw("trunk", step=2)])
+    fit = trainer(tmp_path, [callback], max_steps=3)
+    fit.fit(model, loader())
+    groups = fit.optimizers[0].param_groups
+    assert [len(g["params"]) for g in groups] == [6, 6]  # head and aux; the trunk, once
+    assert all(q is p for q, p in zip(groups[1]["params"], model.trunk.parameters(), strict=True))
+    settings = ("lr", "momentum", "weight_decay")
+    assert [groups[1][k] for k in settings] == [groups[0][k] for k in settings] == [0.1, 0.5, 0.01]
+
+
 def test_frozen_parameters_with_zero_grads_stay_put(tmp_path: Path) -> None:
     model = Net(all_params=True, weight_decay=0.1)
     initial = state(model.trunk)
