@@ -337,12 +337,82 @@ def bench_frozen(quick: bool) -> list[Row]:
                 t_frozen <= 1.03 * best and mem_frozen <= mem_flags, extra)]  # fmt: skip
 
 
+def _fit_seconds(with_callback: bool, steps: int, root: Path) -> float:
+    """Wall time of ``steps`` training steps of the MNIST CNN with a detached linear probe."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from isolate.lightning import IsolationCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk, self.head, _ = mnist_net()
+            self.probe = nn.Linear(128, 10)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            features = self.trunk(x)
+            main = nn.functional.cross_entropy(self.head(features), y)
+            aux = nn.functional.cross_entropy(self.probe(features), y)
+            self.isolation_losses = {"probe": aux}
+            return main + aux
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(64 * steps, 1, 28, 28, generator=generator),
+        torch.randint(0, 10, (64 * steps,), generator=generator),
+    )
+    callbacks = [IsolationCallback(detach=["probe"], verify_every_n_steps=50)]
+    trainer = pl.Trainer(
+        default_root_dir=root,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks if with_callback else [],
+    )
+    start = time.perf_counter()
+    trainer.fit(Module(), DataLoader(data, batch_size=64))
+    return time.perf_counter() - start
+
+
+def bench_callback(quick: bool) -> list[Row]:
+    import logging
+    import tempfile
+    import warnings
+
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    steps = 60 if quick else 200
+    with_cb: list[float] = []
+    without: list[float] = []
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit_seconds(True, 5, Path(root))  # warm-up: imports, first-call overheads
+        for i in range(2 if quick else 5):
+            order = [(True, with_cb), (False, without)]
+            for flag, bucket in order if i % 2 == 0 else reversed(order):
+                bucket.append(_fit_seconds(flag, steps, Path(root)))
+    c, b = statistics.median(with_cb), statistics.median(without)
+    # Throughput is steps/time, so throughput ratio = baseline time / candidate time.
+    return [Row(f"IsolationCallback (detach + checks every 50 steps), {steps} MNIST steps",
+                "with callback", "without", c, b, "throughput >= 0.97 (time ratio <= 1.031)",
+                b / c >= 0.97, {"throughput ratio": b / c})]  # fmt: skip
+
+
 SECTIONS: dict[str, Callable[[bool], list[Row]]] = {
     "wrappers": bench_wrappers,
     "freeze": bench_freeze,
     "reachability": bench_reachability,
     "report": bench_report,
     "frozen": bench_frozen,
+    "callback": bench_callback,
 }
 
 
