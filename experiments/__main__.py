@@ -1,0 +1,34 @@
+"""``python -m experiments``: one run through LightningCLI, or the whole suite.
+
+One run (``configs/presets/base.yaml`` is loaded first, then each ``--config`` in order)::
+
+    python -m experiments fit --config configs/detached.yaml
+    python -m experiments fit --config configs/detached.yaml --config configs/presets/ddp.yaml
+
+The suite, which runs every variant and writes the report (see :mod:`experiments.suite`)::
+
+    python -m experiments suite [--output outputs/suite] [--quick] [--ddp]
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to the suite or to LightningCLI; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["suite"]:
+        from experiments.suite import main as suite_main
+
+        return suite_main(args[1:])
+    from experiments.cli import cli_main
+
+    # None lets LightningCLI read sys.argv itself, as DDP's relaunch of this command expects.
+    cli_main(None if argv is None else args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The command line of the experiments: LightningCLI for one run, and the data root default.
+
+One run (``configs/presets/base.yaml`` is loaded first, then each ``--config`` in order)::
+
+    python -m experiments fit --config configs/detached.yaml
+    python -m experiments fit --config configs/detached.yaml --config configs/presets/ddp.yaml
+
+The suite, which runs every variant and writes the report (see :mod:`experiments.suite`)::
+
+    python -m experiments suite [--output outputs/suite] [--quick] [--ddp]
+
+MNIST is read from ``--data.data_root`` if given, else from ``ISOLATE_DATA_ROOT``, else from
+``../shared/data`` (next to the repository) when that folder exists (without trying to download
+the training split), else it is downloaded by torchvision.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+
+from experiments.data import ENV_DATA_ROOT, MNISTDataModule
+from experiments.recording import Recorder
+
+__all__ = ["BASE_PRESET", "CONFIGS", "REPO", "ExperimentCLI", "cli_main", "default_data_root"]
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+BASE_PRESET = CONFIGS / "presets" / "base.yaml"
+SHARED_DATA = REPO.parent / "shared" / "data"
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def default_data_root() -> str | None:
+    """``../shared/data`` next to the repository, when it exists and the environment is silent.
+
+    ``None`` leaves the choice to :class:`~experiments.data.MNISTDataModule`: the
+    ``ISOLATE_DATA_ROOT`` variable, else ``data`` with a torchvision download.
+    """
+    if os.environ.get(ENV_DATA_ROOT) or not SHARED_DATA.is_dir():
+        return None
+    return str(SHARED_DATA)
+
+
+def quiet_known_noise() -> None:
+    """Silence the warnings every run here would print and that say nothing about it."""
+    # The data are in-memory tensors: worker processes would only add start-up time.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # Lightning 2.6 calls a torch pytree API that newer torch deprecates; nothing to act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # IsolationCallback(bn="eval") holds frozen BatchNorm layers in eval mode on purpose.
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of train.*")
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class ExperimentCLI(LightningCLI):
+    """LightningCLI over :class:`~experiments.data.MNISTDataModule` and any LightningModule.
+
+    Adds a :class:`~experiments.recording.Recorder` callback under ``--record.*`` (its
+    ``name`` defaults to the stem of the last ``--config`` file outside ``presets/``) and the
+    default data root.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(Recorder, "record")
+        root = default_data_root()
+        if root is not None:
+            # That folder holds only the official test split, on purpose: read it, and do not
+            # go looking for the training split online.
+            parser.set_defaults({"data.data_root": root, "data.download": False})
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        configs = [Path(str(c)) for c in config.get("config") or []]
+        variants = [c for c in configs if c.parent.name != "presets"] or configs
+        if config.record.name == "run" and variants:
+            config.record.name = variants[-1].stem
+
+
+def cli_main(args: Sequence[str] | None = None, *, run: bool = True) -> ExperimentCLI:
+    """Parse ``args`` (default: ``sys.argv[1:]``) and run the subcommand; returns the CLI."""
+    quiet_known_noise()
+    if args is not None:
+        # Runs started from Python (the suite, tests) pass their own args on purpose.
+        warnings.filterwarnings("ignore", message=r".*LightningCLI's args parameter is intended.*")
+    kwargs: dict[str, Any] = {
+        sub: {"default_config_files": [str(BASE_PRESET)]} for sub in _SUBCOMMANDS
+    }
+    if not run:
+        kwargs = {"default_config_files": [str(BASE_PRESET)]}
+    return ExperimentCLI(
+        pl.LightningModule,
+        MNISTDataModule,
+        subclass_mode_model=True,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs=kwargs,
+        args=list(args) if args is not None else None,
+        run=run,
+    )

@@ -1,0 +1,346 @@
+"""Measuring one training run for the suite's report: the :class:`Recorder` callback.
+
+Everything the report shows about a run is measured here, in the run's own process, so the same
+numbers come out of an in-process run and of a run under DDP in subprocesses:
+
+* per step, the trunk's gradient after backward (the gradient the optimizer applies, averaged
+  over processes under DDP), saved as a reference or compared with a reference run's;
+* per step, how far the trunk (parameters *and* buffers, BatchNorm statistics included) has
+  drifted from where it started;
+* at the first step, which parameters each loss can reach (:func:`reachable_parameters`);
+* the metrics the module logs, and at the end the accuracies on the test split;
+* an exception that stopped the run, by type and message.
+
+The result is ``run.json`` in ``output`` (plus ``trunk.pt``, the trunk's final state, and, with
+``save_grads``, ``grads.pt``), written by the process of global rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from isolate.auditing import reachable_parameters
+from isolate.drift import snapshot
+
+__all__ = ["RUN_FILE", "Recorder", "load_run"]
+
+RUN_FILE = "run.json"
+GRADS_FILE = "grads.pt"
+TRUNK_FILE = "trunk.pt"
+
+
+def _float(value: Any) -> float:
+    return float(value.detach().cpu()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _max_delta(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    if torch.equal(a, b):
+        return 0.0
+    return float((a.double() - b.double()).abs().max())
+
+
+class Recorder(pl.Callback):
+    """Record what the suite reports about one run, and write it to ``output/run.json``.
+
+    Args:
+        output: the run's folder; ``None`` records without writing (a summary is printed at the
+            end of ``fit`` either way).
+        name: the run's name in the report.
+        trunk: the attribute of the LightningModule whose gradients and drift are measured;
+            runs whose module has no such attribute record neither.
+        save_grads: keep the trunk's gradient of every step and write them to ``grads.pt``,
+            the reference that other runs compare with.
+        reference: a ``grads.pt`` of another run: at every step, record the max |Δ| between the
+            trunk's gradient here and there.
+        verbose: print the summary line at the end of ``fit``.
+        progress: print a compact line after every validation (for logs, where a progress
+            bar is no use).
+    """
+
+    def __init__(
+        self,
+        output: str | None = None,
+        name: str = "run",
+        trunk: str = "trunk",
+        save_grads: bool = False,
+        reference: str | None = None,
+        verbose: bool = True,
+        progress: bool = False,
+    ) -> None:
+        super().__init__()
+        self.output = Path(output) if output else None
+        self.name = name
+        self.trunk_attr = trunk
+        self.save_grads = save_grads
+        self.reference_path = Path(reference) if reference else None
+        self.verbose = verbose
+        self.progress = progress
+        self.record: dict[str, Any] = {}
+        self._grads: list[torch.Tensor] = []
+        self._reference: torch.Tensor | None = None
+        self._start = 0.0
+        self._audited = False
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _trunk(self, pl_module: pl.LightningModule) -> nn.Module | None:
+        trunk = getattr(pl_module, self.trunk_attr, None)
+        return trunk if isinstance(trunk, nn.Module) else None
+
+    def _append(self, section: str, key: str, value: float) -> None:
+        self.record[section].setdefault(key, []).append(value)
+
+    def _metrics(self, trainer: pl.Trainer, prefix: str) -> dict[str, float]:
+        return {
+            key.removeprefix(prefix): _float(value)
+            for key, value in trainer.callback_metrics.items()
+            if key.startswith(prefix) and not key.endswith("_epoch")
+        }
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+        self._audited = False
+        self._grads = []
+        trunk = self._trunk(pl_module)
+        self._snapshot = snapshot(trunk) if trunk is not None else None
+        self._names = _kinds(trunk) if trunk is not None else {}
+        self._reference = None
+        if self.reference_path is not None and trunk is not None:
+            self._reference = torch.load(self.reference_path, map_location="cpu")
+        self.record = {
+            "name": self.name,
+            "status": "running",
+            "model": type(pl_module).__name__,
+            "hparams": _jsonable(dict(pl_module.hparams)),
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "max_steps": trainer.max_steps,
+            "max_epochs": trainer.max_epochs,
+            "seed": _seed(),
+            "train": {"step": []},
+            "val": {"step": []},
+            "grad_delta": [] if self._reference is not None else None,
+            "grad_norm": [],
+            "drift": {kind: [] for kind in self._names},
+            "audit": {},
+            "trunk_tensors": (
+                {"parameters": len(list(trunk.parameters())), "buffers": len(list(trunk.buffers()))}
+                if trunk is not None
+                else None
+            ),
+        }
+        datamodule = trainer.datamodule
+        if datamodule is not None:
+            self.record["data"] = {
+                "note": getattr(datamodule, "source_note", ""),
+                "split": getattr(datamodule, "split_info", {}),
+            }
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._audited:
+            return
+        self._audited = True
+        losses: dict[str, torch.Tensor] = dict(getattr(pl_module, "losses", {}) or {})
+        losses["total"] = loss
+        groups = _groups(pl_module)
+        audit = {}
+        for name, value in losses.items():
+            reached = set(reachable_parameters(value, pl_module))
+            audit[name] = {
+                group: [len(reached & set(members)), len(members)]
+                for group, members in groups.items()
+            }
+        self.record["audit"] = audit
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trunk = self._trunk(pl_module)
+        if trunk is None:
+            return
+        params = list(trunk.parameters())
+        if not any(p.grad is not None for p in params):
+            self.record["grad_norm"].append(None)
+            if self.record["grad_delta"] is not None:
+                self.record["grad_delta"].append(None)
+            return
+        flat = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).cpu()
+                for p in params
+            ]
+        )
+        self.record["grad_norm"].append(float(flat.double().norm()))
+        if self.save_grads:
+            self._grads.append(flat.clone())
+        if self._reference is not None:
+            step = len(self.record["grad_norm"]) - 1
+            delta = _max_delta(flat, self._reference[step]) if step < len(self._reference) else None
+            self.record["grad_delta"].append(delta)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.record["train"]["step"].append(trainer.global_step)
+        for key, value in self._metrics(trainer, "train/").items():
+            self._append("train", key, value)
+        if self._snapshot is not None:
+            moved = self._snapshot.changed()
+            drift = self.record["drift"]
+            for kind, names in self._names.items():
+                drift[kind].append(max((d for n, d in moved.items() if n in names), default=0.0))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not self.record:
+            return
+        self.record["val"]["step"].append(trainer.global_step)
+        metrics = self._metrics(trainer, "val/")
+        for key, value in metrics.items():
+            self._append("val", key, value)
+        if self.progress and trainer.is_global_zero:
+            total = trainer.estimated_stepping_batches
+            shown = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "acc" in k)
+            print(f"    {self.name} step {trainer.global_step}/{total}: val {shown}", flush=True)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.record["status"] = "ok"
+        self._finish(trainer, pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if not self.record:
+            return
+        self.record["status"] = "error"
+        self.record["error"] = {"type": type(exception).__name__, "message": str(exception)}
+        self._finish(trainer, pl_module, evaluate=False)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def _finish(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, evaluate: bool = True
+    ) -> None:
+        record = self.record
+        record["seconds"] = time.perf_counter() - self._start
+        record["steps"] = trainer.global_step
+        if self._snapshot is not None:
+            changed = self._snapshot.changed()
+            record["drift_final"] = {
+                kind: max((d for n, d in changed.items() if n in names), default=0.0)
+                for kind, names in self._names.items()
+            }
+            record["drift_final"]["moved"] = changed
+            record["drift_final"]["checked"] = list(self._snapshot.names)
+        datamodule = trainer.datamodule
+        if evaluate and datamodule is not None and hasattr(pl_module, "evaluate"):
+            loader = datamodule.test_dataloader()
+            record["test"] = pl_module.evaluate(loader)
+            if hasattr(pl_module, "chance"):
+                record["chance"] = pl_module.chance(loader)
+        if trainer.is_global_zero and self.output is not None:
+            self._write(self.output, pl_module)
+        if self.verbose and trainer.is_global_zero:
+            print(summary_line(record), flush=True)
+
+    def _write(self, output: Path, pl_module: pl.LightningModule) -> None:
+        output.mkdir(parents=True, exist_ok=True)
+        trunk = self._trunk(pl_module)
+        if trunk is not None:
+            state = {k: v.detach().cpu().clone() for k, v in trunk.state_dict().items()}
+            torch.save(state, output / TRUNK_FILE)
+        if self.save_grads and self._grads:
+            torch.save(torch.stack(self._grads), output / GRADS_FILE)
+        path = output / RUN_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(_jsonable(self.record), indent=1))
+        tmp.replace(path)
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """One line on how a run ended: status, accuracies, gradient delta, drift."""
+    parts = [f"{record.get('name', 'run')}:"]
+    if record.get("status") == "error":
+        error = record.get("error", {})
+        message = str(error.get("message", "")).split(";")[0]
+        return " ".join([*parts, f"stopped by {error.get('type')}: {message}"])
+    test = record.get("test") or {}
+    parts += [f"{key.removeprefix('acc/')} acc {value:.3f}" for key, value in test.items()]
+    deltas = [d for d in record.get("grad_delta") or [] if d is not None]
+    if deltas:
+        parts.append(f"trunk grad max|Δ| vs reference {max(deltas):.3g} over {len(deltas)} steps")
+    drift = record.get("drift_final")
+    if drift is not None:
+        parts.append(
+            "trunk drift: "
+            + ", ".join(f"{kind} {drift[kind]:.3g}" for kind in _KINDS if kind in drift)
+        )
+    parts.append(f"({record.get('seconds', 0.0):.1f} s)")
+    return " ".join(parts)
+
+
+def load_run(folder: Path) -> dict[str, Any]:
+    """The ``run.json`` a :class:`Recorder` wrote into ``folder``."""
+    return json.loads((folder / RUN_FILE).read_text())
+
+
+_KINDS = ("parameters", "buffers", "counters")
+
+
+def _kinds(trunk: nn.Module) -> dict[str, set[str]]:
+    """Names of the trunk's parameters, floating-point buffers (BatchNorm running statistics)
+    and integer buffers (``num_batches_tracked``), which drift on different scales."""
+    buffers = dict(trunk.named_buffers())
+    return {
+        "parameters": {n for n, _ in trunk.named_parameters()},
+        "buffers": {n for n, b in buffers.items() if b.is_floating_point()},
+        "counters": {n for n, b in buffers.items() if not b.is_floating_point()},
+    }
+
+
+def _groups(pl_module: nn.Module) -> dict[str, list[str]]:
+    """Parameter names by owner: each direct child, and each branch of a ``branches`` dict."""
+    groups: dict[str, list[str]] = {}
+    for name, _ in pl_module.named_parameters():
+        head, _, rest = name.partition(".")
+        key = f"{head}.{rest.partition('.')[0]}" if head == "branches" else head
+        groups.setdefault(key, []).append(name)
+    return groups
+
+
+def _seed() -> int | None:
+    value = os.environ.get("PL_GLOBAL_SEED")
+    return int(value) if value is not None else None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return _jsonable(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "__dataclass_fields__"):
+        return {f: _jsonable(getattr(value, f)) for f in value.__dataclass_fields__}
+    return repr(value)

@@ -1,0 +1,197 @@
+"""Every ``configs/*.yaml`` parses and runs for a few steps on the real MNIST test split, with
+the outcome its comment promises; the presets parse, and the DDP preset runs 2 processes.
+
+The data are the 10,000 real images in ``../shared/data`` (read-only); every output and cache
+goes to ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+CONFIGS = REPO / "configs"
+PRESETS = CONFIGS / "presets"
+# pytest puts tests/ on sys.path, not the repo root where the experiments package lives.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from experiments.cli import cli_main  # noqa: E402
+from isolate import InplaceModificationError  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (SHARED_DATA / "MNIST" / "raw").is_dir(),
+        reason="needs the MNIST test split in ../shared/data beside the repository",
+    ),
+    pytest.mark.filterwarnings("ignore::experiments.data.TestSplitOnlyWarning"),
+    # Lightning 2.6's CLI calls jsonargparse APIs that jsonargparse 4.49 deprecates.
+    pytest.mark.filterwarnings("ignore::jsonargparse._deprecated.JsonargparseDeprecationWarning"),
+]
+
+VARIANTS = sorted(CONFIGS.glob("*.yaml"))
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # The networks are tiny; a second thread only fights other work for the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _args(config: Path, tmp_path: Path, *more: str) -> list[str]:
+    return [
+        "--config",
+        str(config),
+        f"--trainer.max_steps={STEPS}",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--data.data_root={SHARED_DATA}",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        "--data.download=false",
+        "--data.limit_train=512",
+        "--data.limit_val=128",
+        "--data.limit_test=128",
+        f"--record.output={tmp_path / 'run'}",
+        *more,
+    ]
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _fit(config: Path, tmp_path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Build everything from the config, remember the trunk, fit; returns (cli, trunk before)."""
+    cli = cli_main(_args(config, tmp_path), run=False)
+    trunk = getattr(cli.model, "trunk", None) or cli.model.encoder
+    before = _state(trunk)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli, before
+
+
+def _run_record(tmp_path: Path) -> dict[str, Any]:
+    return json.loads((tmp_path / "run" / "run.json").read_text())
+
+
+def test_every_variant_is_a_small_file_with_a_comment() -> None:
+    names = {path.stem for path in VARIANTS}
+    assert {"baseline", "detached", "attached", "inplace_guarded", "inplace_cloned"} <= names
+    assert {"frozen_trunk", "reversal", "simsiam", "simsiam_no_stopgrad"} <= names
+    for path in [*VARIANTS, *PRESETS.glob("*.yaml")]:
+        text = path.read_text()
+        assert text.startswith("#"), f"{path.name} should say what it is for in a comment"
+        assert isinstance(yaml.safe_load(text), dict)
+
+
+@pytest.mark.parametrize("config", VARIANTS, ids=[p.stem for p in VARIANTS])
+def test_config_runs_with_the_promised_outcome(config: Path, tmp_path: Path) -> None:
+    name = config.stem
+    if name == "inplace_guarded":
+        cli = cli_main(_args(config, tmp_path), run=False)
+        with pytest.raises(InplaceModificationError, match=r"^Detached\(editor\): the branch"):
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        record = _run_record(tmp_path)
+        assert record["status"] == "error" and record["steps"] == 0
+        assert record["error"]["type"] == "InplaceModificationError"
+        return
+
+    cli, before = _fit(config, tmp_path)
+    model = cli.model
+    record = _run_record(tmp_path)
+    assert record["status"] == "ok" and record["steps"] == STEPS
+    assert record["name"] == name
+    assert all(torch.isfinite(torch.tensor(record["train"]["loss"])))
+    after = _state(getattr(model, "trunk", None) or model.encoder)
+    moved = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    audit = record["audit"]
+
+    if name.startswith("simsiam"):
+        stds = record["train"]["z_std"]
+        assert len(stds) == STEPS and all(0.0 <= s <= 1.0 for s in stds)
+        assert model.stop_gradient is (name == "simsiam")
+        assert "knn_acc" in record["test"]
+        return
+    trunk_params = {n for n, _ in model.trunk.named_parameters()}
+    if name == "frozen_trunk":
+        assert moved == []  # weights and BatchNorm statistics, bit for bit
+        # The callback restores what it froze when fit ends.
+        assert all(p.requires_grad for p in model.trunk.parameters())
+        assert audit["main"]["trunk"][0] == 0
+    elif name == "frozen_trunk_naive":
+        assert set(moved) == {k for k in before if k not in trunk_params}  # only BatchNorm
+        assert all(p.requires_grad for p in model.trunk.parameters())
+    else:
+        assert trunk_params <= set(moved)
+        assert audit["main"]["trunk"] == [len(trunk_params), len(trunk_params)]
+    reaching = {"attached", "cloned", "reversal"}
+    for spec in model.specs.values():
+        reached, total = audit[spec.name]["trunk"]
+        assert reached == (total if spec.connect in reaching else 0), spec
+        assert audit[spec.name][f"branches.{spec.name}"] == [2, 2]
+    if name in {"detached", "inplace_cloned"}:
+        assert record["grad_delta"] is None  # no reference given: nothing compared
+        assert len(record["grad_norm"]) == STEPS
+
+
+def test_presets_parse_on_top_of_a_variant(tmp_path: Path) -> None:
+    for preset in sorted(PRESETS.glob("*.yaml")):
+        cli = cli_main(
+            _args(CONFIGS / "baseline.yaml", tmp_path, "--config", str(preset)), run=False
+        )
+        trainer = cli.trainer
+        if preset.stem == "ddp":
+            assert type(trainer.strategy).__name__ == "DDPStrategy"
+            assert trainer.num_devices == 2
+        elif preset.stem == "quick":
+            assert cli.datamodule.hparams.limit_train == 2560
+        else:  # base.yaml, which every run loads first anyway
+            assert trainer.max_epochs == 2
+
+
+def test_quick_preset_runs(tmp_path: Path) -> None:
+    cli = cli_main(
+        _args(CONFIGS / "baseline.yaml", tmp_path, "--config", str(PRESETS / "quick.yaml")),
+        run=False,
+    )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert _run_record(tmp_path)["steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_ddp_preset_runs_two_processes(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    args = _args(CONFIGS / "detached.yaml", tmp_path, "--config", str(PRESETS / "ddp.yaml"))
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments", "fit", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    record = _run_record(tmp_path)
+    assert record["world_size"] == 2 and record["strategy"] == "DDPStrategy"
+    assert record["status"] == "ok" and record["steps"] == STEPS
+    assert record["audit"]["probe"]["trunk"][0] == 0
+    assert record["audit"]["main"]["trunk"][0] == record["audit"]["main"]["trunk"][1]
