@@ -103,16 +103,22 @@ class FreezeHandle:
         self.names: tuple[str, ...] = tuple(params)
         self.exposures: tuple[Exposure, ...] = ()
         self.norms: tuple[str, ...] = tuple(norms)
-        self._params = [(p, p.requires_grad) for p in params.values()]
+        # Parallel lists, not (p, flag) tuples: 10,000 small tuples cost more (allocation and
+        # the garbage collections they trigger) than the flag flips themselves.
+        self._params = list(params.values())
+        self._flags = [p.requires_grad for p in self._params]
         self._modules = [(m, m.training) for m in norms.values()]
-        self._ids = {id(p) for p in params.values()} | {id(m) for m in norms.values()}
         self._active = True
         # Everything above was recorded before this point; only now does state change.
-        for p in params.values():
-            p.requires_grad_(requires_grad)
-            if not requires_grad:
-                # A zero-filled grad would still let weight decay and momentum move p.
-                p.grad = None
+        if requires_grad:
+            for p in self._params:
+                p.requires_grad_(True)
+        else:
+            for p in self._params:
+                p.requires_grad_(False)
+                if p.grad is not None:
+                    # A zero-filled grad would still let weight decay and momentum move p.
+                    p.grad = None
         train_mode = model.training
         for m in norms.values():
             _push_policy(m, self._seq, bn)
@@ -136,9 +142,7 @@ class FreezeHandle:
         """
         if not self._active:
             raise RestoreError(f"{self._caller}: this handle was restored already; restore once")
-        newer = [
-            h for h in list(_active) if h._seq > self._seq and h._active and h._ids & self._ids
-        ]
+        newer = [h for h in list(_active) if h._seq > self._seq and h._active and h._touches(self)]
         if newer:
             names = sorted({n for h in newer for n in h.names if n in self.names})
             raise RestoreError(
@@ -146,13 +150,20 @@ class FreezeHandle:
                 f"hold parameters this one set ({names[:5]}...); restore the newest first, "
                 f"or use the context managers frozen()/unfrozen(), which nest correctly"
             )
-        for p, flag in self._params:
+        for p, flag in zip(self._params, self._flags, strict=True):
             p.requires_grad_(flag)
         for m, training in self._modules:
             _pop_policy(m, self._seq)
             m.training = training
         self._active = False
         _active.discard(self)
+
+    def _ids(self) -> set[int]:
+        return {id(p) for p in self._params} | {id(m) for m, _ in self._modules}
+
+    def _touches(self, other: FreezeHandle) -> bool:
+        # Computed only when handles nest, so a lone freeze/restore pays nothing for it.
+        return not self._ids().isdisjoint(other._ids())
 
     def __repr__(self) -> str:
         state = "active" if self._active else "restored"
