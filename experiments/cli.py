@@ -86,7 +86,20 @@ class ExperimentCLI(LightningCLI):
 
 
 def cli_main(args: Sequence[str] | None = None, *, run: bool = True) -> ExperimentCLI:
-    """Parse ``args`` (default: ``sys.argv[1:]``) and run the subcommand; returns the CLI."""
+    """Build the LightningCLI of the experiments and, with ``run``, run its subcommand.
+
+    Args:
+        args: command-line arguments, e.g. ``["fit", "--config", "configs/detached.yaml"]``;
+            ``None`` reads ``sys.argv[1:]``.
+        run: ``False`` only instantiates the model, datamodule and trainer (then ``args`` has
+            no subcommand), for code that wants to call ``cli.trainer.fit`` itself.
+
+    Returns:
+        The :class:`ExperimentCLI`, with ``.model``, ``.datamodule`` and ``.trainer``.
+
+    Note:
+        Silences known noise for the whole process (:func:`quiet_known_noise`).
+    """
     quiet_known_noise()
     if args is not None:
         # Runs started from Python (the suite, tests) pass their own args on purpose.

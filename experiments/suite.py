@@ -110,6 +110,9 @@ def _run_in_process(args: list[str]) -> None:
 
 def _run_subprocess(args: list[str], log: Path) -> int:
     env = dict(os.environ)
+    # A fresh launch: Lightning would take these for a process it is meant to join.
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     with log.open("w") as out:
         proc = subprocess.run(
