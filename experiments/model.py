@@ -290,6 +290,14 @@ class IsolationNet(pl.LightningModule):
                 p.requires_grad_(flag)
         self._trunk_flags = None
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The branches' own random streams, so a resumed run goes on drawing where it stopped.
+        checkpoint["branch_rng"] = {k: v.clone() for k, v in self._branch_rng.items()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("branch_rng", {})
+        self._branch_rng.update({k: v.clone() for k, v in saved.items() if k in self._branch_rng})
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
         return self._step(batch, "train")
 

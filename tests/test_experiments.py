@@ -93,6 +93,45 @@ def test_branch_spec_errors_name_the_field() -> None:
         IsolationNet(branches=[Branch(), Branch()])
 
 
+@needs_data
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_checkpoint_resumes_with_the_branch_streams(tmp_path: Path) -> None:
+    from experiments.cli import cli_main
+
+    def cli(epochs: int) -> Any:
+        return cli_main(
+            [
+                f"--config={REPO / 'configs' / 'detached.yaml'}",
+                f"--trainer.max_epochs={epochs}",
+                "--trainer.enable_checkpointing=true",
+                "--trainer.limit_val_batches=1",
+                "--trainer.enable_progress_bar=false",
+                f"--trainer.default_root_dir={tmp_path}",
+                f"--data.data_root={SHARED_DATA}",
+                f"--data.cache_dir={tmp_path / 'cache'}",
+                "--data.download=false",
+                "--data.limit_train=256",  # 2 steps per epoch
+                "--data.limit_test=64",
+                "--record.verbose=false",
+            ],
+            run=False,
+        )
+
+    first = cli(1)
+    first.trainer.fit(first.model, datamodule=first.datamodule)
+    (checkpoint,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    loaded = IsolationNet.load_from_checkpoint(checkpoint)
+    assert loaded.specs == first.model.specs
+    for key, value in first.model.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    for name, state in first.model._branch_rng.items():
+        assert torch.equal(loaded._branch_rng[name], state), name
+
+    second = cli(2)
+    second.trainer.fit(second.model, datamodule=second.datamodule, ckpt_path=checkpoint)
+    assert second.trainer.global_step == 4
+
+
 # --------------------------------------------------------------------------------------------
 # The quick suite
 
