@@ -599,14 +599,18 @@ def _branches(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {spec["name"]: spec for spec in specs if isinstance(spec, dict)}
 
 
+def _number(value: float) -> str:
+    return "0.0" if value == 0.0 else f"{value:.3g}"
+
+
 def _max(values: Sequence[float | None]) -> str:
     numbers = [v for v in values if v is not None]
-    return f"{max(numbers):.3g}" if numbers else "n/a"
+    return _number(max(numbers)) if numbers else "n/a"
 
 
 def _min(values: Sequence[float | None]) -> str:
     numbers = [v for v in values if v is not None]
-    return f"{min(numbers):.3g}" if numbers else "n/a"
+    return _number(min(numbers)) if numbers else "n/a"
 
 
 def _fmt(value: float | None) -> str:
