@@ -15,7 +15,7 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import pytorch_lightning as pl
 import torch
@@ -54,6 +54,7 @@ __all__ = [
     "RankDivergenceError",
     "SpecError",
     "Thaw",
+    "ThawKeys",
 ]
 
 LOSSES_ATTRIBUTE = "isolation_losses"
@@ -194,6 +195,23 @@ class Thaw:
         return f"epoch {self.epoch}" if self.epoch is not None else f"step {self.step}"
 
 
+class ThawKeys(TypedDict, total=False):
+    """The keys of a :class:`Thaw` step given as a mapping (``select`` is required).
+
+    Typed key by key on purpose: LightningCLI (jsonargparse) instantiates any
+    ``class_path`` it finds in a value typed ``Any``, so a ``dict[str, Any]`` here would let a
+    YAML config construct arbitrary classes (``subprocess.Popen``) while parsing.
+    """
+
+    select: str | list[str]
+    epoch: int | None
+    step: int | None
+    lr: float | None
+    optimizer_idx: int | None
+    bn: Literal["train", "eval"]
+    name: str | None
+
+
 def _as_thaw(item: object, index: int) -> Thaw:
     if isinstance(item, Thaw):
         return item
@@ -267,6 +285,9 @@ class _Run:
     branch_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     pending_rank_check: str | None = None
     fit_started: bool = False
+    # Every module's training flag at setup: a validation step that raises leaves the model in
+    # eval mode, and putting back only the held BatchNorm layers would leave a mix.
+    modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
 
     def frozen_now(self) -> dict[str, nn.Parameter]:
         thawed = {id(p) for g in self.groups if g.applied for p in g.params.values()}
@@ -336,10 +357,13 @@ class IsolationCallback(Callback):
       ranks agree (two all-reduces of the parameters, in 32 MiB buckets), and logs gradient
       norms per group to the trainer's loggers as ``isolation/grad_norm/<group>``.
     * checkpoints store the spec, what is frozen and which groups were thawed when, by
-      parameter name; resuming thaws those groups again before DDP wraps the model, and a
-      checkpoint written under another spec is refused.
+      parameter name, in plain types (they load with ``weights_only=True``); resuming thaws
+      those groups again before DDP wraps the model, and a checkpoint written under another
+      spec is refused, naming the differences.
     * ``teardown`` (and ``on_exception``): puts back the submodules and restores every
-      ``requires_grad`` flag and BatchNorm mode exactly as they were before ``fit``.
+      ``requires_grad`` flag and BatchNorm mode exactly as they were before ``fit``; after an
+      error, every module's ``training`` flag too (a validation step that raises leaves the
+      model in eval mode).
 
     **Naming losses.** ``training_step`` leaves the losses to check in
     ``self.isolation_losses``, a dict of name -> loss tensor, set every step (holding
@@ -358,7 +382,8 @@ class IsolationCallback(Callback):
         bn: BatchNorm layers among the frozen parameters: ``"eval"`` holds them in eval mode,
             through ``model.train()`` and Lightning's evaluation loop, so their running
             statistics do not move; ``"train"`` lets them update.
-        thaw: the unfreezing schedule: :class:`Thaw` steps, or mappings with their keys.
+        thaw: the unfreezing schedule: :class:`Thaw` steps, or mappings with their keys
+            (:class:`ThawKeys`).
         protect: loss name -> selectors of the parameters that loss must not reach. ``None``
             protects everything upstream of ``detach`` branches from every named loss.
         frozen_in_optimizer: what to do with frozen parameters found in an optimizer at fit
@@ -377,7 +402,9 @@ class IsolationCallback(Callback):
             changed.
         SelectorError: a selector matches nothing, or a ``detach`` / ``clone`` name is not a
             submodule.
-        CheckpointMismatchError: resuming from a checkpoint written under another spec.
+        CheckpointMismatchError: resuming from a checkpoint written under another spec. The
+            isolation is undone, but the weights are the checkpoint's by then: Lightning loads
+            the model's state before any callback sees the checkpoint.
         GradientLeakError, DriftError, RankDivergenceError: a violation during training
             (``on_violation="raise"``).
 
@@ -404,6 +431,11 @@ class IsolationCallback(Callback):
           with other per-group state (``LambdaLR``'s lambdas, ``OneCycleLR``) do not schedule
           it.
         * One ``IsolationCallback`` per Trainer: its checkpoint state has a fixed key.
+        * A resume repeats the uninterrupted run bit for bit only if the checkpoint holds all
+          its state, and Lightning's holds neither the global RNG (dropout) nor a plain
+          DataLoader's position: mid-epoch, Lightning iterates the loader from its start
+          again. Give the train loader ``state_dict`` / ``load_state_dict`` and checkpoint
+          the RNG, or resume from epoch ends.
 
     >>> callback = IsolationCallback(
     ...     freeze=["trunk"], detach=["probe"], thaw=[Thaw("trunk", epoch=2, lr=1e-3)]
@@ -423,7 +455,7 @@ class IsolationCallback(Callback):
         detach: list[str] | None = None,
         clone: list[str] | None = None,
         bn: Literal["eval", "train"] = "eval",
-        thaw: list[Thaw | dict[str, Any]] | None = None,
+        thaw: list[Thaw | ThawKeys] | None = None,
         protect: dict[str, list[str]] | None = None,
         frozen_in_optimizer: Literal["remove", "error"] = "remove",
         verify_every_n_steps: int = 50,
@@ -588,6 +620,7 @@ class IsolationCallback(Callback):
             groups=groups,
             protect=protect,
             spec=spec,
+            modes=[(m, m.training) for m in model.modules()],
         )
 
     def _plan_wraps(self, model: nn.Module) -> list[_Wrap]:
@@ -742,8 +775,20 @@ class IsolationCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Undo everything, as in ``teardown``: Lightning does not call it after an error."""
+        """Undo everything, as in ``teardown`` (Lightning does not call it after an error), and
+        put back every module's ``training`` flag as it was at setup.
+
+        :meth:`state_dict` goes on returning the state at the error: checkpoint callbacks run
+        their ``on_exception`` after this one (Lightning orders them last), and
+        ``OnExceptionCheckpoint`` saves optimizers that hold the groups thawed so far.
+        """
+        run = self._run
+        if run is None:
+            return
+        self._last_state = self.state_dict()
         self._restore()
+        for module, training in run.modes:
+            module.training = training
 
     # ----------------------------------------------------------------------------------------
     # Fit start: the optimizers
@@ -930,10 +975,7 @@ class IsolationCallback(Callback):
         run = self._run
         if run is None:
             return
-        for g in run.groups:
-            epoch = g.spec.epoch
-            if g.applied is None and epoch is not None and trainer.current_epoch >= epoch:
-                self._thaw(trainer, run, g)
+        self._thaw_due(trainer, run, "epoch")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -942,16 +984,25 @@ class IsolationCallback(Callback):
         run = self._run
         if run is None:
             return
-        for g in run.groups:
-            step = g.spec.step
-            if g.applied is None and step is not None and trainer.global_step >= step:
-                self._thaw(trainer, run, g)
+        # Lightning skips on_train_epoch_start for the first epoch of a fit resumed from a
+        # checkpoint written after the last batch of the epoch before (the fit loop restarts
+        # "mid-epoch" and counts that epoch as done): the epoch's first batch thaws what its
+        # start did not, before the groups due by step, as in an uninterrupted run.
+        self._thaw_due(trainer, run, "epoch")
+        self._thaw_due(trainer, run, "step")
         n = self.verify_every_n_steps
         run.verify_now = bool(n) and trainer.global_step % n == 0
         if run.verify_now and run.verify_step != trainer.global_step:
             run.verify_step = trainer.global_step
             run.losses_seen = False
         run.branch_inputs.clear()
+
+    def _thaw_due(self, trainer: pl.Trainer, run: _Run, by: Literal["epoch", "step"]) -> None:
+        now = trainer.current_epoch if by == "epoch" else trainer.global_step
+        for g in run.groups:
+            at = g.spec.epoch if by == "epoch" else g.spec.step
+            if g.applied is None and at is not None and now >= at:
+                self._thaw(trainer, run, g)
 
     def _thaw(self, trainer: pl.Trainer, run: _Run, g: _Group) -> None:
         when = f"epoch {trainer.current_epoch}, step {trainer.global_step}"
@@ -1301,12 +1352,15 @@ class IsolationCallback(Callback):
         run = self._run
         if run is None:
             return dict(self._last_state)
-        return {
-            "format": _STATE_FORMAT,
-            "spec": run.spec,
-            "frozen": list(run.frozen_now()),
-            "thawed": [{"name": n, **(run.group(n).applied or {})} for n in run.applied],
-        }
+        state: dict[str, Any] = _plain(
+            {
+                "format": _STATE_FORMAT,
+                "spec": run.spec,
+                "frozen": list(run.frozen_now()),
+                "thawed": [{"name": n, **(run.group(n).applied or {})} for n in run.applied],
+            }
+        )
+        return state
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -1319,8 +1373,8 @@ class IsolationCallback(Callback):
                 f"{_CALLER}: the checkpoint holds no {_CALLER} state: it was written without "
                 f"this callback, so it is unknown what was frozen or thawed. To start a new "
                 f"isolation schedule from its weights, load them with "
-                f"model.load_state_dict(torch.load(path)['state_dict']) and call fit() without "
-                f"ckpt_path"
+                f"model.load_state_dict(torch.load(path, weights_only=True)['state_dict']) and "
+                f"call fit() without ckpt_path"
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1355,15 +1409,23 @@ class IsolationCallback(Callback):
             raise
 
     def _check_state(self, run: _Run, state: Mapping[str, Any]) -> None:
-        if state.get("format") != _STATE_FORMAT:
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
             raise CheckpointMismatchError(
-                f"{_CALLER}: the checkpoint's state has format {state.get('format')!r}, "
-                f"expected {_STATE_FORMAT}"
+                f"{_CALLER}: the checkpoint's state has format {got!r}, expected {_STATE_FORMAT}"
+            )
+        missing = [k for k in ("spec", "frozen", "thawed") if k not in state]
+        if missing or not isinstance(state["spec"], Mapping):
+            raise CheckpointMismatchError(
+                f"{_CALLER}: the checkpoint's state is malformed: it lacks {missing or ['spec']}"
             )
         saved, ours = state["spec"], run.spec
         lines = []
         for key in ours:
             if saved.get(key) == ours[key]:
+                continue
+            if key == "thaw" and isinstance(saved.get(key), list):
+                lines.extend(_thaw_differences(saved[key], ours[key]))
                 continue
             if isinstance(ours[key], list) and all(isinstance(v, str) for v in ours[key]):
                 gone = [v for v in saved.get(key, []) if v not in ours[key]]
@@ -1379,8 +1441,8 @@ class IsolationCallback(Callback):
                 f"{_CALLER}: the checkpoint was written under a different isolation spec:\n"
                 + "\n".join(lines)
                 + "\nFix: resume with the callback arguments of the run that wrote it, or load "
-                "only its weights (model.load_state_dict(torch.load(path)['state_dict'])) to "
-                "start a new run under the new spec"
+                "only its weights (model.load_state_dict(torch.load(path, weights_only=True)"
+                "['state_dict'])) to start a new run under the new spec"
             )
         names = [entry.get("name") for entry in state["thawed"]]
         unknown = [n for n in names if n not in {g.name for g in run.groups}]
@@ -1388,6 +1450,62 @@ class IsolationCallback(Callback):
             raise CheckpointMismatchError(
                 f"{_CALLER}: the checkpoint thawed groups {unknown} that this spec does not have"
             )
+
+
+def _thaw_differences(saved: list[Any], ours: list[dict[str, Any]]) -> list[str]:
+    """One line per thaw group that differs, naming the fields; groups are matched by name."""
+    theirs = {str(g.get("name")): g for g in saved if isinstance(g, Mapping)}
+    mine = {g["name"]: g for g in ours}
+    lines = []
+    gone = [n for n in theirs if n not in mine]
+    new = [n for n in mine if n not in theirs]
+    if gone or new:
+        lines.append(
+            f"  thaw: groups only in the checkpoint {_names(gone)}, only in this run {_names(new)}"
+        )
+    for name, group in mine.items():
+        other = theirs.get(name)
+        if other is None:
+            continue
+        fields_ = []
+        for k, v in group.items():
+            was = other.get(k)
+            if was == v:
+                continue
+            if k == "params" and isinstance(was, list):
+                gone, added = [n for n in was if n not in v], [n for n in v if n not in was]
+                fields_.append(
+                    f"params only in the checkpoint {_names(gone)}, only in this run "
+                    f"{_names(added)}"
+                )
+            else:
+                fields_.append(f"{k} {was!r} in the checkpoint, {v!r} in this run")
+        if fields_:
+            lines.append(f"  thaw group {name!r}: " + "; ".join(fields_))
+    if not lines:
+        lines.append("  thaw: the same groups in another order")
+    return lines
+
+
+def _plain(value: object) -> Any:
+    """``value`` rebuilt from exact builtins, so ``torch.load(weights_only=True)`` reads it back:
+    a numpy float (``Thaw(lr=np.float64(1e-3))`` passes as a float) or an enum would be pickled
+    as its class, and the checkpoint could not be resumed under torch's default."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    for kind in (bool, int, float):
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    raise IsolationTypeError(
+        f"{_CALLER}: cannot save {type(value).__name__} {value!r} in a checkpoint's state; "
+        f"expected plain str, int, float, bool, None, lists and dicts"
+    )
 
 
 def _group_risk(group: Mapping[str, Any]) -> str:

@@ -3,10 +3,14 @@
 The model has a trunk with BatchNorm, a classification head and an auxiliary regression
 branch fed by the trunk's features. ``training_step`` names the auxiliary loss in
 ``self.isolation_losses``, the convention :class:`isolate.lightning.IsolationCallback` reads.
+
+For exact resume tests: :func:`resumable_loader` (a seeded order per epoch that a checkpoint
+can continue mid-epoch) and :class:`RNGState` (Lightning does not checkpoint the global RNG).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 
 class Net(pl.LightningModule):
@@ -28,6 +32,7 @@ class Net(pl.LightningModule):
         scheduler: return a cosine LR schedule (stepped every epoch) with the optimizer.
         replace_bn: build a new trunk BatchNorm in ``configure_model`` (after callback setup,
             as ``sync_batchnorm=True`` does).
+        dropout: dropout on the trunk's features in ``training_step`` (the global RNG).
     """
 
     def __init__(
@@ -42,6 +47,7 @@ class Net(pl.LightningModule):
         nudge: bool = False,
         scheduler: bool = False,
         replace_bn: bool = False,
+        dropout: float = 0.0,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -52,6 +58,7 @@ class Net(pl.LightningModule):
         self.use_aux, self.all_params, self.bypass, self.nudge = aux, all_params, bypass, nudge
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.scheduler, self.replace_bn = scheduler, replace_bn
+        self.dropout = dropout  # functional: a Dropout child would change the module tree
 
     def configure_model(self) -> None:
         if self.replace_bn:
@@ -63,6 +70,8 @@ class Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, z = batch
         features = self.trunk(x)
+        if self.dropout:
+            features = F.dropout(features, self.dropout, self.training)
         loss = F.cross_entropy(self.head(features), y)
         if self.use_aux:
             branch = self.aux.module if self.bypass else self.aux
@@ -132,6 +141,74 @@ def loader(n: int = 64, batch_size: int = 16, seed: int = 123) -> DataLoader[Any
     y = torch.randint(0, 3, (n,), generator=g)
     z = torch.randn(n, generator=g)
     return DataLoader(TensorDataset(x, y, z), batch_size=batch_size, shuffle=False)
+
+
+class EpochSampler(Sampler[int]):
+    """A permutation drawn from ``seed + epoch`` alone, that can start part-way through.
+
+    Lightning calls ``set_epoch`` before each epoch; ``position`` counts the indices handed
+    out in the current epoch, so a checkpoint written after a batch says where to go on.
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self.epoch = self.start = self.position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:  # a new epoch starts from its beginning
+            self.epoch, self.start = epoch, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=generator)
+        start, self.start = self.start, 0
+        self.position = start
+        for i in order[start:].tolist():
+            self.position += 1
+            yield i
+
+
+class ResumableLoader(DataLoader[Any]):
+    """A DataLoader with ``state_dict`` / ``load_state_dict``: Lightning saves its state in the
+    fit loop's checkpoint entry and loads it before the first batch of a resumed fit."""
+
+    sampler: EpochSampler
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "position": self.sampler.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.epoch, self.sampler.start = state["epoch"], state["position"]
+
+
+def resumable_loader(n: int = 64, batch_size: int = 16, seed: int = 123) -> ResumableLoader:
+    """The data of :func:`loader`, shuffled anew each epoch, resumable after any batch.
+
+    Its own ``generator`` keeps ``iter()`` off the global RNG: a DataLoader without one draws
+    a worker seed from it at every ``iter()``, and a resumed fit calls ``iter()`` at a point
+    where the uninterrupted one did not.
+    """
+    data = loader(n, batch_size, seed).dataset
+    return ResumableLoader(
+        data,
+        batch_size=batch_size,
+        sampler=EpochSampler(n, seed),
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+class RNGState(pl.Callback):
+    """Checkpoints the global CPU RNG, which Lightning does not: without it a resumed run
+    draws other dropout masks than the run it continues."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["torch"])
 
 
 def trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
