@@ -804,12 +804,27 @@ class IsolationCallback(Callback):
         except IsolationError:
             self._restore()
             raise
+        self._warn_on_norm_clipping(trainer)
         self._remove_from_optimizers(run, trainer.optimizers, removals)
         for name in run.applied:  # thawed in the checkpoint: same param groups, same order
             self._add_group(trainer, run.group(name))
         self._take_snapshot(run)
         run.fit_started = True
         self._check_ranks(run, "at fit start")
+
+    def _warn_on_norm_clipping(self, trainer: pl.Trainer) -> None:
+        # The clip factor is computed from the norm of *all* gradients, so a detached
+        # branch's gradient rescales the trunk's: the branch leaks into the trunk's update.
+        algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
+        if self.detach and trainer.gradient_clip_val and algorithm.endswith("norm"):
+            rank_zero_warn(
+                f"{_CALLER}: gradient_clip_val={trainer.gradient_clip_val} clips by the global "
+                f"norm, which includes the gradients of the detached branches {self.detach}: "
+                f"their gradient changes the factor applied to every other parameter, so "
+                f"isolation does not hold for the update. Clip per group instead (override "
+                f"configure_gradient_clipping), or use gradient_clip_algorithm='value'",
+                category=IsolationWarning,
+            )
 
     def _check_norms_present(self, run: _Run) -> None:
         if self.bn != "eval":

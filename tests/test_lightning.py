@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,27 @@ def test_detached_aux_loss_leaves_trunk_as_without_it(tmp_path: Path) -> None:
     assert all(torch.equal(detached[k], without_aux[k]) for k in trunk)
     assert not all(torch.equal(attached[k], without_aux[k]) for k in trunk)  # the control
     assert not changed(attached, cloned)  # Cloned lets gradient through and changes no value
+
+
+def test_global_norm_clipping_couples_a_detached_branch_and_is_reported(tmp_path: Path) -> None:
+    def run(aux: bool, sub: str, **clip: Any) -> dict[str, torch.Tensor]:
+        model = Net(aux=aux)
+        callbacks = [IsolationCallback(detach=["aux"], verify_every_n_steps=0)] if aux else []
+        trainer(tmp_path / sub, callbacks, **clip).fit(model, loader())
+        return state(model)
+
+    by_norm = {"gradient_clip_val": 0.05}
+    with pytest.warns(IsolationWarning, match=r"^IsolationCallback: gradient_clip_val=0\.05 clips"):
+        clipped = run(True, "norm", **by_norm)
+    reference = run(False, "norm-reference", **by_norm)
+    trunk = [k for k in reference if k.startswith("trunk.")]
+    assert not all(torch.equal(clipped[k], reference[k]) for k in trunk)  # the leak is real
+    by_value = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IsolationWarning)
+        per_element = run(True, "value", **by_value)
+    reference = run(False, "value-reference", **by_value)
+    assert all(torch.equal(per_element[k], reference[k]) for k in trunk)
 
 
 # --------------------------------------------------------------------------------------------
