@@ -16,12 +16,15 @@ processes), each as ``python -m experiments fit ...`` in a subprocess.
 
 The report (``report.md``, ``results.json`` and PNG plots, see :mod:`experiments.report`)
 lists every check with its expected and observed value; the command exits with status 1 if a
-check fails.
+check fails. Two suites with the same options write the same report, byte for byte: wall-clock
+times go to ``timings.json`` (and the console) instead, and the data root is shown relative to
+the working directory when it lies below or beside it (:func:`experiments.cli.display_path`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -37,14 +40,23 @@ from typing import Any
 import torch
 import yaml
 
-from experiments.cli import CONFIGS, REPO, cli_main, default_data_root, quiet_known_noise
-from experiments.data import MNISTDataModule, TestSplitOnlyWarning
+from experiments.cli import (
+    CONFIGS,
+    REPO,
+    cli_main,
+    default_data_root,
+    display_path,
+    has_test_split,
+    quiet_known_noise,
+)
+from experiments.data import ENV_DATA_ROOT, MNISTDataModule, TestSplitOnlyWarning
 from experiments.recording import GRADS_FILE, RUN_FILE, TRUNK_FILE, load_run, summary_line
 
 __all__ = ["VARIANTS", "Variant", "evaluate_checks", "main", "run_suite"]
 
 PRESETS = CONFIGS / "presets"
 BASELINE = "baseline"
+TIMINGS_FILE = "timings.json"
 
 
 @dataclass(frozen=True)
@@ -108,16 +120,20 @@ def _run_in_process(args: list[str]) -> None:
         cli_main(args)
 
 
-def _run_subprocess(args: list[str], log: Path) -> int:
+def _run_subprocess(args: list[str], log: Path, threads: int | None) -> int:
     env = dict(os.environ)
     # A fresh launch: Lightning would take these for a process it is meant to join.
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    if threads is not None:
+        # Else Lightning gives each process cores // processes threads: results would depend
+        # on the machine's core count.
+        env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     with log.open("w") as out:
+        # The working directory stays the suite's: the data root may be relative to it.
         proc = subprocess.run(
             [sys.executable, "-m", "experiments", *args],
-            cwd=REPO,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -135,11 +151,13 @@ def run_variant(
     reference: Path | None,
     save_grads: bool,
     progress_bar: bool,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Run one variant into ``run_dir`` and return its record (``run.json``).
 
     A run that stops with an exception still has a record (status ``"error"``): the suite
-    reports it and carries on.
+    reports it and carries on. ``threads`` sets ``OMP_NUM_THREADS`` for runs in a subprocess
+    (DDP); in-process runs use the caller's ``torch.get_num_threads()``.
     """
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -163,7 +181,7 @@ def run_variant(
     (run_dir / "command.txt").write_text("python -m experiments " + " ".join(args) + "\n")
     crash: str | None = None
     if _is_ddp(configs, overrides):
-        code = _run_subprocess(args, run_dir / "log.txt")
+        code = _run_subprocess(args, run_dir / "log.txt", threads)
         if code != 0 and not (run_dir / RUN_FILE).exists():
             crash = f"exit status {code}; see {run_dir / 'log.txt'}"
     else:
@@ -190,7 +208,26 @@ def _prepare_data(
         warnings.simplefilter("ignore", TestSplitOnlyWarning)
         dm.prepare_data()
         dm.setup()
-    return {"note": dm.source_note, "split": dm.split_info, "data_root": str(dm.data_root)}
+    return {
+        "note": dm.source_note,
+        "split": dm.split_info,
+        "data_root": dm.data_root.as_posix(),
+    }
+
+
+def _data_root(data_root: str | None, download: bool | None) -> tuple[str | None, bool | None]:
+    """The data root to pass to every run, as shown in the report, and the ``download`` to use.
+
+    The root is relative to the working directory when it lies below or beside it, so the
+    datamodule's notes, and with them the report, name no folder of this machine.
+    """
+    root = data_root or os.environ.get(ENV_DATA_ROOT) or default_data_root()
+    if root is None:
+        return None, download  # the datamodule's own default, a relative "data"
+    if download is None and has_test_split(root):
+        # As in the CLI: data on disk are used as they are; --download fetches the rest.
+        download = False
+    return display_path(root), download
 
 
 def run_suite(
@@ -222,18 +259,22 @@ def run_suite(
         data_root: the data root; default: see :func:`experiments.cli.default_data_root`.
         cache_dir: the datamodule's cache folder.
         download: the datamodule's ``download`` for the one preparation of the data before
-            the runs (which then never download). ``None``: ``False`` for the default
-            ``../shared/data`` (it holds only the test split, on purpose), else try a
-            download when the full dataset is missing.
-        threads: ``torch.set_num_threads`` for in-process runs, restored afterwards;
-            ``None`` keeps torch's setting. One thread is the default: the network is small,
-            and a second thread gains little when the machine is idle but costs several times
-            over when other work shares the cores.
+            the runs (which then never download). ``None``: ``False`` when the data root
+            holds the official test split already (``../shared/data`` holds only that, on
+            purpose), else try a download.
+        threads: ``torch.set_num_threads`` for in-process runs, restored afterwards, and
+            ``OMP_NUM_THREADS`` for runs in subprocesses; ``None`` keeps torch's setting (which
+            depends on the machine's core count, and so may the last bits of the results).
+            One thread is the default: the network is small, and a second thread gains little
+            when the machine is idle but costs several times over when other work shares the
+            cores.
         progress_bar: show Lightning's progress bar (else a line per validation).
         keep_grads: keep the baseline's per-step gradients (``grads.pt``, tens of MB).
 
     Returns:
-        The results that ``results.json`` holds.
+        The results that ``results.json`` holds. Wall-clock times are not among them, so that
+        two suites with the same options write the same report: they are printed, and written
+        to ``timings.json``.
     """
     from experiments import report
 
@@ -245,21 +286,22 @@ def run_suite(
     runs = output / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     variants = _select(only)
-    root = data_root or default_data_root()
-    if download is None and data_root is None and root is not None:
-        download = False
+    root, download = _data_root(data_root, download)
     data = _prepare_data(root, cache_dir, download)
     print(f"suite: {len(variants)} runs into {output}", flush=True)
     print(f"data: {data['note']}", flush=True)
-    presets = [PRESETS / "quick.yaml"] * quick + [PRESETS / "ddp.yaml"] * ddp
-    presets += [Path(c).resolve() for c in configs]
-    data_args = [f"--data.data_root={Path(data['data_root']).resolve()}", "--data.download=false"]
+    builtin = [PRESETS / "quick.yaml"] * quick + [PRESETS / "ddp.yaml"] * ddp
+    presets = [*builtin, *(Path(c).resolve() for c in configs)]
+    shown_presets = [_relative(p) for p in (*builtin, *map(Path, configs))]
+    # Runs share the suite's working directory (subprocesses too), so a relative root holds.
+    data_args = [f"--data.data_root={data['data_root']}", "--data.download=false"]
     if cache_dir is not None:
         data_args.append(f"--data.cache_dir={Path(cache_dir).resolve()}")
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     records: dict[str, dict[str, Any]] = {}
+    timings: dict[str, dict[str, float | None]] = {}
     try:
         for i, variant in enumerate(variants, 1):
             print(f"[{i}/{len(variants)}] {variant.name}: {variant.role}", flush=True)
@@ -268,6 +310,7 @@ def run_suite(
             if is_net and variant.name != BASELINE:
                 candidate = runs / BASELINE / GRADS_FILE
                 reference = candidate if candidate.exists() else None
+            run_start = time.perf_counter()
             record = run_variant(
                 variant,
                 runs / variant.name,
@@ -276,20 +319,26 @@ def run_suite(
                 reference=reference,
                 save_grads=is_net and variant.name == BASELINE,
                 progress_bar=progress_bar,
+                threads=threads,
             )
-            records[variant.name] = record
+            timings[variant.name] = {
+                "fit": record.get("seconds"),  # measured by the Recorder, from fit start to end
+                "run": time.perf_counter() - run_start,  # with building the model and trainer
+            }
             expected = ""
             if variant.expect_error is not None:
                 hit = record.get("error", {}).get("type") == variant.expect_error
                 expected = " (expected)" if hit else f" (expected {variant.expect_error})"
             print(f"    {summary_line(record)}{expected}", flush=True)
+            record.pop("seconds", None)  # in timings.json, not in the report
+            records[variant.name] = record
     finally:
         torch.set_num_threads(previous_threads)
     results = {
         "setup": {
             "quick": quick,
             "ddp": ddp,
-            "presets": [_relative(p) for p in presets],
+            "presets": shown_presets,
             "overrides": list(overrides),
             "threads": threads,
             "torch": torch.__version__,
@@ -301,14 +350,17 @@ def run_suite(
         "trunk_vs_baseline": _compare_trunks(runs, records),
     }
     results["checks"] = evaluate_checks(results)
-    results["seconds"] = time.perf_counter() - start
     written = report.write_report(results, output)
     if not keep_grads:
         (runs / BASELINE / GRADS_FILE).unlink(missing_ok=True)
+    seconds = time.perf_counter() - start
+    (output / TIMINGS_FILE).write_text(
+        json.dumps({"seconds": seconds, "runs": timings}, indent=1) + "\n"
+    )
     failed = [c for c in results["checks"] if not c["ok"]]
     print(
         f"suite: {len(results['checks']) - len(failed)}/{len(results['checks'])} checks "
-        f"passed in {results['seconds']:.0f} s; report: {written[0]}",
+        f"passed in {seconds:.0f} s; report: {written[0]}",
         flush=True,
     )
     for check in failed:
@@ -335,10 +387,11 @@ def _is_isolation_net(variant: Variant) -> bool:
 
 
 def _relative(path: Path) -> str:
+    """A config file relative to the repository, else as :func:`display_path` shows it."""
     try:
-        return str(path.resolve().relative_to(REPO))
+        return path.resolve().relative_to(REPO).as_posix()
     except ValueError:
-        return str(path)
+        return display_path(path)
 
 
 def _lightning_version() -> str:
@@ -642,7 +695,8 @@ def _parser() -> argparse.ArgumentParser:
         "--download",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="download MNIST if the full dataset is missing (default: not for ../shared/data)",
+        help="download MNIST if the full dataset is missing (default: only when the data "
+        "root lacks even the test split)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument(

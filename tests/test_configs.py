@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +197,41 @@ def test_ddp_preset_runs_two_processes(tmp_path: Path) -> None:
     assert record["status"] == "ok" and record["steps"] == STEPS
     assert record["audit"]["probe"]["trunk"][0] == 0
     assert record["audit"]["main"]["trunk"][0] == record["audit"]["main"]["trunk"][1]
+
+
+def test_a_data_root_holding_the_test_split_is_read_without_a_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A writable copy (unlike ../shared/data): nothing but the CLI's default keeps the
+    # datamodule's download=None from fetching the training split at every run.
+    copy = tmp_path / "data"
+    shutil.copytree(SHARED_DATA / "MNIST" / "raw", copy / "MNIST" / "raw")
+    for path in (copy / "MNIST" / "raw").iterdir():
+        path.chmod(0o644)
+    monkeypatch.setenv("ISOLATE_DATA_ROOT", str(copy))
+    requests: list[Any] = []
+
+    def offline(request: Any, *args: Any, **kwargs: Any) -> Any:
+        requests.append(request)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    args = [
+        f"--config={CONFIGS / 'baseline.yaml'}",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--record.output={tmp_path / 'run'}",
+    ]
+    dm = cli_main(args, run=False).datamodule
+    assert dm.hparams.download is False
+    assert dm.data_root.resolve() == copy.resolve()
+    dm.prepare_data()
+    dm.setup()
+    assert requests == []
+    assert dm.split_info["mode"] == "test_split_only"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("ISOLATE_DATA_ROOT", str(empty))
+    # Nothing on disk: the datamodule's own default, a download, stays.
+    assert cli_main(args, run=False).datamodule.hparams.download is None
+    assert cli_main([*args, "--data.download=true"], run=False).datamodule.download is True

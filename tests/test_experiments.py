@@ -23,6 +23,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import experiments.cli  # noqa: E402
 import experiments.model  # noqa: E402
 import experiments.simsiam  # noqa: E402
 from experiments.model import Branch, IsolationNet  # noqa: E402
@@ -62,7 +63,7 @@ def _runs(suite: tuple[Path, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def test_doctests_of_the_experiment_modules() -> None:
-    for module in (experiments.model, experiments.simsiam):
+    for module in (experiments.cli, experiments.model, experiments.simsiam):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
