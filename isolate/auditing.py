@@ -605,37 +605,72 @@ def _group_members(
     return out
 
 
+@dataclass
+class _Grams:
+    """Per parameter, the K x K Gram matrix of the K losses' gradients, and which
+    losses reach it: one matmul per parameter instead of K + K^2 / 2 reductions."""
+
+    losses: tuple[str, ...]
+    grams: dict[int, torch.Tensor]
+    reached: dict[int, tuple[bool, ...]]
+
+    @classmethod
+    def of(
+        cls, losses: tuple[str, ...], params: list[nn.Parameter], grads: list[Sequence[Any]]
+    ) -> _Grams:
+        grams: dict[int, torch.Tensor] = {}
+        reached: dict[int, tuple[bool, ...]] = {}
+        for j, p in enumerate(params):
+            column = [grads[k][j] for k in range(len(losses))]
+            hit = tuple(g is not None for g in column)
+            if not any(hit):
+                continue
+            rows = torch.stack(
+                [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g in column]
+            )
+            # One matmul in the gradients' own precision (a cast of every gradient to float64
+            # would cost more than the products), summed up in float64 from there.
+            grams[id(p)] = (rows @ rows.T).double()
+            reached[id(p)] = hit
+        return cls(losses, grams, reached)
+
+    def total(self, ids: Iterable[int]) -> tuple[torch.Tensor | None, list[bool]]:
+        gram: torch.Tensor | None = None
+        hit = [False] * len(self.losses)
+        for i in ids:
+            if i in self.grams:
+                gram = self.grams[i] if gram is None else gram + self.grams[i]
+                hit = [a or b for a, b in zip(hit, self.reached[i], strict=True)]
+        return gram, hit
+
+
 def _stats(
     name: str,
     members: list[tuple[str, nn.Parameter]],
-    grads: Mapping[str, Mapping[int, torch.Tensor | None]],
+    grams: _Grams,
     totals: Mapping[str, float],
 ) -> GroupStats:
     unique = {id(p): p for _, p in members}
+    gram, hit = grams.total(unique)
+    values = gram.tolist() if gram is not None else None
     norms: dict[str, float | None] = {}
     shares: dict[str, float | None] = {}
-    for loss, by_id in grads.items():
-        parts = [by_id[i] for i in unique if by_id.get(i) is not None]
-        if not parts:
+    for k, loss in enumerate(grams.losses):
+        if values is None or not hit[k]:
             norms[loss] = shares[loss] = None
             continue
-        squared = sum(float(g.double().pow(2).sum()) for g in parts if g is not None)
+        squared = values[k][k]
         norms[loss] = math.sqrt(squared)
         shares[loss] = squared / totals[loss] if totals[loss] > 0 else None
     cosines: dict[tuple[str, str], float | None] = {}
-    losses = list(grads)
-    for i, a in enumerate(losses):
-        for b in losses[i + 1 :]:
+    for k, a in enumerate(grams.losses):
+        for m in range(k + 1, len(grams.losses)):
+            b = grams.losses[m]
             norm_a, norm_b = norms[a], norms[b]
-            if not norm_a or not norm_b:
+            if values is None or not norm_a or not norm_b:
                 cosines[(a, b)] = None
                 continue
-            dot = 0.0
-            for key in unique:
-                ga, gb = grads[a].get(key), grads[b].get(key)
-                if ga is not None and gb is not None:
-                    dot += float((ga.double() * gb.double()).sum())
-            cosines[(a, b)] = dot / (norm_a * norm_b)
+            cosines[(a, b)] = values[k][m] / (norm_a * norm_b)
     return GroupStats(
         name=name,
         parameters=tuple(n for n, _ in members),
@@ -677,7 +712,10 @@ def gradient_report(
     Note:
         Shares are of the *squared* norm, so they add up to 1 over non-overlapping groups. A
         norm of ``0.0`` (a path exists, the gradient along it is zero) and ``-`` (no path at
-        all) are different answers: only the second one is isolation.
+        all) are different answers: only the second one is isolation. Products are taken in
+        the gradients' own precision (one K x K matmul per parameter) and summed in float64,
+        so float32 gradients give norms and cosines to about 7 significant digits; for
+        exact comparisons use :func:`gradient_invariance`.
 
     >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     >>> x = torch.randn(4, 3)
@@ -708,20 +746,23 @@ def gradient_report(
     members = _group_members(model, groups, caller)
     everything = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = list({id(p): p for _, p in everything}.values())
-    grads: dict[str, dict[int, torch.Tensor | None]] = {}
-    totals: dict[str, float] = {}
-    for key, loss in losses.items():
-        computed: Sequence[torch.Tensor | None] = [None] * len(params)
+    computed: list[Sequence[torch.Tensor | None]] = []
+    for loss in losses.values():
         if params and loss.requires_grad:
-            computed = torch.autograd.grad(
-                loss.reshape(()), params, retain_graph=True, allow_unused=True
+            computed.append(
+                torch.autograd.grad(loss.reshape(()), params, retain_graph=True, allow_unused=True)
             )
-        grads[key] = {id(p): g for p, g in zip(params, computed, strict=True)}
-        totals[key] = sum(float(g.double().pow(2).sum()) for g in computed if g is not None)
+        else:
+            computed.append([None] * len(params))
+    names = tuple(losses)
+    grams = _Grams.of(names, params, computed)
+    whole, _ = grams.total(grams.grams)
+    diagonal = whole.diagonal().tolist() if whole is not None else [0.0] * len(names)
+    totals = dict(zip(names, diagonal, strict=True))
     return GradientReport(
-        losses=tuple(losses),
-        groups={name: _stats(name, group, grads, totals) for name, group in members.items()},
-        total=_stats("total", everything, grads, totals),
+        losses=names,
+        groups={name: _stats(name, group, grams, totals) for name, group in members.items()},
+        total=_stats("total", everything, grams, totals),
     )
 
 

@@ -447,7 +447,7 @@ def test_report_values_match_a_direct_computation(net: Net) -> None:
     enc = list(net.encoder.parameters())
     g_main = _flat_grads(losses["main"], enc)
     expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in g_main if g is not None))
-    assert report["encoder"].norms["main"] == pytest.approx(expected, rel=1e-12)
+    assert report["encoder"].norms["main"] == pytest.approx(expected, rel=1e-6)
     assert report["encoder"].norms["probe"] is None  # no path at all
     assert report["encoder"].shares["probe"] is None
     assert report["probe"].norms["main"] is None
