@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -199,14 +199,19 @@ class IsolationNet(pl.LightningModule):
         lr: float = 2e-3,
     ) -> None:
         super().__init__()
-        branches = tuple(branches)
-        for spec in branches:
+        # load_from_checkpoint passes back the plain dicts saved below.
+        specs = tuple(Branch(**b) if isinstance(b, dict) else b for b in branches)
+        for spec in specs:
             spec.check()
-        names = [spec.name for spec in branches]
+        names = [spec.name for spec in specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"IsolationNet: branch names must be unique; repeated: {duplicates}")
+        # Hyperparameters are saved as plain types, so checkpoints load with weights_only=True.
+        branches = [asdict(spec) for spec in specs]
+        channels = list(channels)
         self.save_hyperparameters()
+        branches = specs
         self.specs = {spec.name: spec for spec in branches}
         self.trunk_requires_grad = trunk_requires_grad
         self.lr = lr

@@ -121,7 +121,11 @@ def test_checkpoint_resumes_with_the_branch_streams(tmp_path: Path) -> None:
     first = cli(1)
     first.trainer.fit(first.model, datamodule=first.datamodule)
     (checkpoint,) = (tmp_path / "checkpoints").glob("*.ckpt")
-    loaded = IsolationNet.load_from_checkpoint(checkpoint)
+    # Plain types only: the checkpoint loads without unpickling arbitrary objects.
+    assert torch.load(checkpoint, weights_only=True)["hyper_parameters"]["branches"][0] == {
+        **vars(first.model.specs["probe"])
+    }
+    loaded = IsolationNet.load_from_checkpoint(checkpoint, weights_only=True)
     assert loaded.specs == first.model.specs
     for key, value in first.model.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[key]), key
@@ -129,7 +133,9 @@ def test_checkpoint_resumes_with_the_branch_streams(tmp_path: Path) -> None:
         assert torch.equal(loaded._branch_rng[name], state), name
 
     second = cli(2)
-    second.trainer.fit(second.model, datamodule=second.datamodule, ckpt_path=checkpoint)
+    second.trainer.fit(
+        second.model, datamodule=second.datamodule, ckpt_path=checkpoint, weights_only=True
+    )
     assert second.trainer.global_step == 4
 
 
