@@ -185,9 +185,17 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
     """
     tree = _Tree.of(model)
     module_ids = {id(m) for _, m in tree.modules}
+    globs = [s for s in selectors if isinstance(s, str) and _GLOB_CHARS & set(s)]
     chosen: set[int] = set()
     for selector in selectors:
-        ids = _match_one(model, selector, tree, module_ids, caller)
+        if isinstance(selector, str) and selector in globs:
+            # Only whether it matches at all, which usually stops at the first name; what
+            # the globs pick is gathered below in one pass for all of them.
+            _check_glob(selector, caller)
+            match = _glob_match([selector])
+            ids = {1} if any(match(name) for name in tree.names) else set()
+        else:
+            ids = _match_one(model, selector, tree, module_ids, caller)
         if not ids:
             shown = selector if isinstance(selector, str) else getattr(selector, "__name__", "")
             hint = (
@@ -198,7 +206,11 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
             raise SelectorError(
                 f"{caller}: {shown!r} matched no parameter of {describe(model)}{hint}"
             )
-        chosen |= ids
+        if not (isinstance(selector, str) and selector in globs):
+            chosen |= ids
+    if globs:
+        match = _glob_match(globs)
+        chosen |= {i for name, i in zip(tree.names, tree.ids, strict=True) if match(name)}
     selection = Selection()
     rows: Iterable[tuple[str, nn.Parameter, int]] = zip(
         tree.names, tree.params, tree.ids, strict=True
