@@ -235,3 +235,28 @@ def test_a_data_root_holding_the_test_split_is_read_without_a_download(
     # Nothing on disk: the datamodule's own default, a download, stays.
     assert cli_main(args, run=False).datamodule.hparams.download is None
     assert cli_main([*args, "--data.download=true"], run=False).datamodule.download is True
+
+
+@pytest.mark.parametrize(
+    ("typo", "culprit"),
+    [
+        ("model:\n  init_args:\n    droput: 0.1\n", "droput"),
+        ("data:\n  batch_sise: 64\n", "batch_sise"),
+        (
+            "trainer:\n  callbacks:\n    - class_path: isolate.lightning.IsolationCallback\n"
+            "      init_args:\n        freze: [trunk]\n",
+            "freze",
+        ),
+    ],
+    ids=["model key", "data key", "callback key"],
+)
+def test_a_typo_in_a_config_file_is_refused_naming_the_key(
+    typo: str, culprit: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(typo)
+    with pytest.raises(SystemExit) as info:
+        cli_main(_args(CONFIGS / "baseline.yaml", tmp_path, "--config", str(bad)), run=False)
+    assert info.value.code == 2
+    assert culprit in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob("**/*.ckpt"))
