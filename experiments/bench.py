@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import platform
 import statistics
 import time
@@ -44,8 +45,8 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        """The median of per-pair ratios where pairs were timed back to back, else the ratio
-        of medians."""
+        """The geometric mean of per-pair ratios where pairs were timed back to back, else
+        the ratio of medians."""
         if self.paired_ratio is not None:
             return self.paired_ratio
         return self.candidate_s / self.baseline_s
@@ -87,8 +88,12 @@ def _paired(
             start = time.perf_counter()
             fn()
             bucket.append(time.perf_counter() - start)
+    # Which member of a pair runs first alternates, and the first one tends to run on colder
+    # caches: the geometric mean over an even number of pairs cancels that order effect,
+    # where a median of the (two-humped) ratios would land on either hump.
     ratios = [c / b for c, b in zip(times_c, times_b, strict=True)]
-    return statistics.median(times_c), statistics.median(times_b), statistics.median(ratios)
+    mean_log = statistics.fmean(math.log(r) for r in ratios)
+    return statistics.median(times_c), statistics.median(times_b), math.exp(mean_log)
 
 
 def _median(fn: Callable[[], object], *, warmup: int, repeat: int) -> float:
