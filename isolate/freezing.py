@@ -297,7 +297,12 @@ def unfreeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "train") -> 
 
 
 @contextlib.contextmanager
-def frozen(model: nn.Module, *selectors: Selector, bn: BNPolicy = "eval") -> Iterator[FreezeHandle]:
+def frozen(
+    model: nn.Module,
+    *selectors: Selector,
+    bn: BNPolicy = "eval",
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Iterator[FreezeHandle]:
     """Context-manager form of :func:`freeze`: restores on exit, exceptions included.
 
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
@@ -307,7 +312,7 @@ def frozen(model: nn.Module, *selectors: Selector, bn: BNPolicy = "eval") -> Ite
     >>> model[0].weight.requires_grad
     True
     """
-    handle = freeze(model, *selectors, bn=bn)
+    handle = freeze(model, *selectors, bn=bn, optimizer=optimizer)
     try:
         yield handle
     finally:
