@@ -183,7 +183,9 @@ def _markdown(results: dict[str, Any], plots: list[Path]) -> str:
     checks: list[dict[str, Any]] = results["checks"]
     passed = sum(c["ok"] for c in checks)
     plot_names = {p.name for p in plots}
-    out: list[str] = ["# Gradient isolation on MNIST: suite report", ""]
+    dataset = setup["data"].get("split", {}).get("dataset", "mnist")
+    title = "Fashion-MNIST" if dataset == "fashion_mnist" else "MNIST"
+    out: list[str] = [f"# Gradient isolation on {title}: suite report", ""]
 
     threads = setup["threads"]
     threads = "torch's default threads" if threads is None else f"{threads} thread(s)"
@@ -204,6 +206,7 @@ def _markdown(results: dict[str, Any], plots: list[Path]) -> str:
         "Reproduce: `python -m experiments suite"
         + (" --quick" if setup["quick"] else "")
         + (" --ddp" if setup["ddp"] else "")
+        + (f" --dataset {dataset}" if dataset != "mnist" else "")
         + "`; one run: the `command.txt` in `runs/<name>/`, e.g. "
         "`python -m experiments fit --config configs/detached.yaml`.",
         "",

@@ -200,10 +200,15 @@ def run_variant(
 
 
 def _prepare_data(
-    data_root: str | None, cache_dir: str | None, download: bool | None
+    data_root: str | None, cache_dir: str | None, download: bool | None, dataset: str = "mnist"
 ) -> dict[str, Any]:
     """Find (or download) the data once, so the runs never try the network again."""
-    dm = MNISTDataModule(data_root=data_root, cache_dir=cache_dir, download=download)
+    dm = MNISTDataModule(
+        dataset=dataset,  # type: ignore[arg-type]
+        data_root=data_root,
+        cache_dir=cache_dir,
+        download=download,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TestSplitOnlyWarning)
         dm.prepare_data()
@@ -215,7 +220,9 @@ def _prepare_data(
     }
 
 
-def _data_root(data_root: str | None, download: bool | None) -> tuple[str | None, bool | None]:
+def _data_root(
+    data_root: str | None, download: bool | None, dataset: str = "mnist"
+) -> tuple[str | None, bool | None]:
     """The data root to pass to every run, as shown in the report, and the ``download`` to use.
 
     The root is relative to the working directory when it lies below or beside it, so the
@@ -224,7 +231,7 @@ def _data_root(data_root: str | None, download: bool | None) -> tuple[str | None
     root = data_root or os.environ.get(ENV_DATA_ROOT) or default_data_root()
     if root is None:
         return None, download  # the datamodule's own default, a relative "data"
-    if download is None and has_test_split(root):
+    if download is None and has_test_split(root, dataset):
         # As in the CLI: data on disk are used as they are; --download fetches the rest.
         download = False
     return display_path(root), download
@@ -244,6 +251,7 @@ def run_suite(
     threads: int | None = 1,
     progress_bar: bool = False,
     keep_grads: bool = False,
+    dataset: str = "mnist",
 ) -> dict[str, Any]:
     """Run the variants and write the report into ``output``; returns the results.
 
@@ -270,6 +278,8 @@ def run_suite(
             cores.
         progress_bar: show Lightning's progress bar (else a line per validation).
         keep_grads: keep the baseline's per-step gradients (``grads.pt``, tens of MB).
+        dataset: ``"mnist"`` or ``"fashion_mnist"`` (Debian's ``dataset-fashion-mnist``
+            package, or torchvision's download, provides the latter).
 
     Returns:
         The results that ``results.json`` holds. Wall-clock times are not among them, so that
@@ -286,15 +296,19 @@ def run_suite(
     runs = output / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     variants = _select(only)
-    root, download = _data_root(data_root, download)
-    data = _prepare_data(root, cache_dir, download)
+    root, download = _data_root(data_root, download, dataset)
+    data = _prepare_data(root, cache_dir, download, dataset)
     print(f"suite: {len(variants)} runs into {output}", flush=True)
     print(f"data: {data['note']}", flush=True)
     builtin = [PRESETS / "quick.yaml"] * quick + [PRESETS / "ddp.yaml"] * ddp
     presets = [*builtin, *(Path(c).resolve() for c in configs)]
     shown_presets = [_relative(p) for p in (*builtin, *map(Path, configs))]
     # Runs share the suite's working directory (subprocesses too), so a relative root holds.
-    data_args = [f"--data.data_root={data['data_root']}", "--data.download=false"]
+    data_args = [
+        f"--data.data_root={data['data_root']}",
+        "--data.download=false",
+        f"--data.dataset={dataset}",
+    ]
     if cache_dir is not None:
         data_args.append(f"--data.cache_dir={Path(cache_dir).resolve()}")
     previous_threads = torch.get_num_threads()
@@ -689,6 +703,12 @@ def _parser() -> argparse.ArgumentParser:
         "--config", action="append", default=[], type=Path, help="another preset for every run"
     )
     parser.add_argument("--only", help="comma-separated variant names")
+    parser.add_argument(
+        "--dataset",
+        choices=["mnist", "fashion_mnist"],
+        default="mnist",
+        help="the same experiments on Fashion-MNIST with fashion_mnist",
+    )
     parser.add_argument("--data-root", help="default: ISOLATE_DATA_ROOT, else ../shared/data")
     parser.add_argument("--cache-dir", help="the datamodule's cache folder")
     parser.add_argument(
@@ -731,5 +751,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=options.threads,
         progress_bar=progress_bar,
         keep_grads=options.keep_grads,
+        dataset=options.dataset,
     )
     return 0 if all(check["ok"] for check in results["checks"]) else 1

@@ -265,3 +265,27 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
     assert all(d > 0.0 for d in runs["attached"]["grad_delta"])
     assert results["trunk_vs_baseline"]["detached"]["bitwise_equal"] is True
     assert all(check["ok"] for check in results["checks"])
+
+
+@pytest.mark.skipif(
+    not Path("/usr/share/datasets/fashion-mnist").is_dir(),
+    reason="Fashion-MNIST comes from Debian's dataset-fashion-mnist package (.ci/run installs it)",
+)
+def test_the_same_suite_runs_on_fashion_mnist(tmp_path: Path) -> None:
+    results = run_suite(
+        tmp_path,
+        quick=True,
+        only=["baseline", "detached"],
+        data_root=str(SHARED_DATA),  # holds no Fashion-MNIST: Debian's copy is found
+        cache_dir=str(tmp_path / "cache"),
+        dataset="fashion_mnist",
+        overrides=["--data.limit_train=1280"],
+    )
+    assert results["setup"]["data"]["split"]["dataset"] == "fashion_mnist"
+    assert results["setup"]["data"]["split"]["mode"] == "official"
+    detached = results["runs"]["detached"]
+    assert detached["status"] == "ok"
+    assert all(check["ok"] for check in results["checks"]), results["checks"]
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith("# Gradient isolation on Fashion-MNIST")
+    assert "--dataset fashion_mnist" in report
