@@ -112,7 +112,7 @@ def _glob_match(patterns: list[str]) -> Callable[[str], object]:
 def _match_one(
     model: nn.Module, selector: Selector, tree: _Tree, module_ids: set[int], caller: str
 ) -> set[int]:
-    """Ids of the parameters ``selector`` picks (matching every alias of every parameter)."""
+    """Ids of the parameters a non-glob ``selector`` picks (every alias of every parameter)."""
     pairs = zip(tree.names, tree.ids, strict=True)
     if isinstance(selector, nn.Parameter):
         ids = {id(p) for p in tree.params if p is selector}
@@ -132,11 +132,7 @@ def _match_one(
     if isinstance(selector, str):
         if not selector:
             raise SelectorError(f"{caller}: empty selector ''; use a module name or a glob")
-        if _GLOB_CHARS & set(selector):
-            _check_glob(selector, caller)
-            match = _glob_match([selector])
-            return {i for name, i in pairs if match(name)}
-        inside = selector + "."
+        inside = selector + "."  # a name; globs are matched in select(), all in one pass
         return {i for name, i in pairs if name == selector or name.startswith(inside)}
     if callable(selector):
         return {id(p) for name, p in zip(tree.names, tree.params, strict=True) if selector(name, p)}
