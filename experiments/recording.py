@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from isolate.auditing import reachable_parameters
-from isolate.drift import snapshot
+from isolate.drift import max_abs_diff, snapshot
 
 __all__ = ["RUN_FILE", "Recorder", "load_run"]
 
@@ -40,14 +40,6 @@ TRUNK_FILE = "trunk.pt"
 
 def _float(value: Any) -> float:
     return float(value.detach().cpu()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def _max_delta(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return math.inf
-    if torch.equal(a, b):
-        return 0.0
-    return float((a.double() - b.double()).abs().max())
 
 
 class Recorder(pl.Callback):
@@ -188,7 +180,9 @@ class Recorder(pl.Callback):
             self._grads.append(flat.clone())
         if self._reference is not None:
             step = len(self.record["grad_norm"]) - 1
-            delta = _max_delta(flat, self._reference[step]) if step < len(self._reference) else None
+            delta = (
+                max_abs_diff(self._reference[step], flat) if step < len(self._reference) else None
+            )
             self.record["grad_delta"].append(delta)
 
     def on_train_batch_end(

@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from isolate._selectors import check_module, describe, select
-from isolate.drift import _max_abs_diff
+from isolate.drift import max_abs_diff
 from isolate.errors import GradientLeakError, IsolationTypeError, IsolationWarning, SelectorError
 
 __all__ = [
@@ -796,11 +796,11 @@ class GradientInvariance:
 
 def _grad_delta(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     if a is not None and b is not None:
-        return _max_abs_diff(a, b)
+        return max_abs_diff(a, b)
     if a is not None:
-        return _max_abs_diff(a, torch.zeros_like(a))
+        return max_abs_diff(a, torch.zeros_like(a))
     if b is not None:
-        return _max_abs_diff(torch.zeros_like(b), b)
+        return max_abs_diff(torch.zeros_like(b), b)
     return 0.0
 
 

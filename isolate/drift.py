@@ -17,13 +17,13 @@ from torch import nn
 
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
 
-__all__ = ["Exposure", "Snapshot", "optimizer_exposure", "snapshot"]
+__all__ = ["Exposure", "Snapshot", "max_abs_diff", "optimizer_exposure", "snapshot"]
 
 ParameterFilter = Literal["all", "frozen", "trainable", "none"]
 _FILTERS = ("all", "frozen", "trainable", "none")
 
 
-def _max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
+def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
     """Max |new - old| over elements; NaN in both places counts as equal, ``inf`` on shape change.
 
     Integer and bool tensors are compared in float64, so ``num_batches_tracked`` steps by 1.0.
@@ -101,7 +101,7 @@ class Snapshot:
         out = []
         for entry in self._entries:
             now = current.get(entry.name)
-            delta = math.inf if now is None else _max_abs_diff(entry.saved, now)
+            delta = math.inf if now is None else max_abs_diff(entry.saved, now)
             if not delta <= atol or now is not entry.live:
                 out.append((entry, now, delta))
         return out
