@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import isolate
-from isolate.auditing import gradient_report, reachable_parameters
+from isolate import gradient_report, reachable_parameters
 
 
 @dataclass

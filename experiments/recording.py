@@ -28,7 +28,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from isolate.auditing import reachable_parameters
+from isolate import reachable_parameters
 from isolate.drift import max_abs_diff, snapshot
 
 __all__ = ["RUN_FILE", "Recorder", "load_run"]

@@ -291,7 +291,7 @@ def _markdown(results: dict[str, Any], plots: list[Path]) -> str:
     out += [
         "## Reachability audit (first step)",
         "",
-        "`isolate.auditing.reachable_parameters(loss, model)` walks each loss's autograd graph "
+        "`isolate.reachable_parameters(loss, model)` walks each loss's autograd graph "
         "before backward; the table counts the parameters of each part it can reach.",
         "",
     ]

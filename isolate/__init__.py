@@ -4,15 +4,6 @@ Freeze parameter subsets, detach auxiliary branches, clone shared features, each
 exact undo, and prove that a loss cannot reach what it must not touch.
 """
 
-from isolate.auditing import (
-    GradientInvariance,
-    GradientReport,
-    GroupStats,
-    assert_isolated,
-    gradient_invariance,
-    gradient_report,
-    reachable_parameters,
-)
 from isolate.cloning import Cloned, clone
 from isolate.detaching import Detached, GradientScale, scale_gradient, stop_gradient
 from isolate.drift import Exposure, Snapshot, optimizer_exposure, snapshot
@@ -28,6 +19,14 @@ from isolate.errors import (
     WrappingError,
 )
 from isolate.freezing import FreezeHandle, Frozen, freeze, frozen, is_frozen, unfreeze, unfrozen
+from isolate.gradients import (
+    GradientInvariance,
+    GradientReport,
+    GroupStats,
+    gradient_invariance,
+    gradient_report,
+)
+from isolate.graph import assert_isolated, reachable_parameters
 
 __all__ = [
     "Cloned",

@@ -32,7 +32,6 @@ from isolate import freezing
 from isolate._selectors import describe, select
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
-from isolate.auditing import assert_isolated, reachable_parameters
 from isolate.cloning import Cloned
 from isolate.detaching import Detached
 from isolate.drift import Snapshot, optimizer_exposure, snapshot
@@ -45,6 +44,7 @@ from isolate.errors import (
     SelectorError,
     WrappingError,
 )
+from isolate.graph import assert_isolated, reachable_parameters
 
 __all__ = [
     "LOSSES_ATTRIBUTE",

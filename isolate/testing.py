@@ -30,9 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from isolate.auditing import Protected, assert_isolated, gradient_invariance
+from isolate._selectors import Protected
 from isolate.drift import ParameterFilter, Snapshot, snapshot
 from isolate.errors import GradientLeakError
+from isolate.gradients import gradient_invariance
+from isolate.graph import assert_isolated
 
 __all__ = [
     "assert_gradient_invariance",
@@ -54,7 +56,7 @@ def assert_gradient_invariance(
 
     Compares the gradients of ``main_loss`` and of ``total_loss`` (``main_loss`` plus the
     auxiliary terms, main loss with weight 1) on ``protected``; see
-    :func:`isolate.auditing.gradient_invariance`.
+    :func:`isolate.gradient_invariance`.
 
     Args:
         main_loss: the scalar loss the protected parameters learn from.

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isolate.auditing import (
+from isolate import (
     GradientReport,
     assert_isolated,
     gradient_invariance,

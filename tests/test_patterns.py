@@ -13,7 +13,7 @@ import torchvision
 from torch import nn
 
 import isolate
-from isolate.auditing import (
+from isolate import (
     assert_isolated,
     gradient_invariance,
     gradient_report,

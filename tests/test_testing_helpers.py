@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import isolate.testing as plugin
-from isolate.auditing import assert_isolated as auditing_assert_isolated
 from isolate.drift import Snapshot
 from isolate.errors import DriftError, GradientLeakError
+from isolate.graph import assert_isolated as auditing_assert_isolated
 from isolate.testing import assert_gradient_invariance, assert_isolated, assert_unchanged
 
 pytest_plugins = ["pytester"]

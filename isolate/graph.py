@@ -1,0 +1,301 @@
+"""Proving where gradient can go, without running a backward pass.
+
+:func:`reachable_parameters` walks the autograd graph of a loss and names the parameters it
+can send gradient to; :func:`assert_isolated` turns that into an assertion that names every
+leak and the operation behind it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+
+from isolate._selectors import Protected, check_module, resolve_named
+from isolate.errors import GradientLeakError, IsolationTypeError, IsolationWarning
+
+__all__ = ["Losses", "assert_isolated", "check_losses", "reachable_parameters", "walk"]
+
+Losses = torch.Tensor | Sequence[torch.Tensor]
+"""One output tensor, or several (a list or tuple of tensors)."""
+
+# Backward nodes that only change a tensor's layout: when naming the operation that connects
+# a parameter to the loss, these are looked through (``weight.t()`` feeds ``addmm``).
+_LAYOUT_OPS = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "SelectBackward0",
+        "SliceBackward0",
+        "AsStridedBackward0",
+        "AliasBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+        "UnbindBackward0",
+        "SplitBackward0",
+        "SplitWithSizesBackward0",
+    }
+)
+
+# Nodes that use parameters the graph does not show: the reentrant checkpoint re-runs its
+# function in backward, so whatever that function touches is invisible to the walk.
+_OPAQUE_OPS = frozenset({"CheckpointFunctionBackward"})
+
+
+def _node_name(node: Node) -> str:
+    return node.name().removeprefix("torch::autograd::")
+
+
+@dataclass
+class _Walk:
+    """What one walk of an autograd graph found, keyed on tensor identity."""
+
+    # id(leaf tensor) -> the leaf; leaves that are outputs themselves have no node.
+    leaves: dict[int, torch.Tensor] = field(default_factory=dict)
+    # id(leaf tensor) -> the nodes that feed gradient into its AccumulateGrad node.
+    consumers: dict[int, list[Node]] = field(default_factory=dict)
+    # every node seen -> the node it was first reached from (None for the outputs' own nodes).
+    # Holding the node objects also keeps their Python wrappers alive, so identity is stable.
+    parent: dict[Node, Node | None] = field(default_factory=dict)
+    opaque: list[str] = field(default_factory=list)
+
+    def path(self, node: Node) -> list[str]:
+        """Node names from an output down to ``node`` along the first-found route."""
+        names: list[str] = []
+        cur: Node | None = node
+        while cur is not None:
+            names.append(_node_name(cur))
+            cur = self.parent[cur]
+        return names[::-1]
+
+    def connecting_ops(self, tensor: torch.Tensor) -> list[str]:
+        """The operations that consume ``tensor``, looking through layout-only nodes."""
+        ops: list[str] = []
+        for consumer in self.consumers.get(id(tensor), []):
+            through: list[str] = []
+            cur: Node | None = consumer
+            while cur is not None and _node_name(cur) in _LAYOUT_OPS:
+                through.append(_node_name(cur))
+                cur = self.parent[cur]
+            if cur is None:
+                text = " <- ".join(through)
+            elif through:
+                text = f"{_node_name(cur)} (through {' <- '.join(through)})"
+            else:
+                text = _node_name(cur)
+            if text not in ops:
+                ops.append(text)
+        return ops
+
+
+def _accumulated(node: Node) -> torch.Tensor | None:
+    """The leaf an ``AccumulateGrad`` node writes to; ``None`` for every other node.
+
+    Checked by name, not by a ``variable`` attribute alone: the node of a custom
+    ``autograd.Function`` is its ``ctx``, where user code may store anything under any name.
+    """
+    if node.name() != "torch::autograd::AccumulateGrad":
+        return None
+    variable = getattr(node, "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
+
+
+def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
+    if isinstance(losses, torch.Tensor):
+        return [losses]
+    if isinstance(losses, Sequence) and not isinstance(losses, str):
+        bad = [(i, type(t).__name__) for i, t in enumerate(losses) if not torch.is_tensor(t)]
+        if not bad:
+            return list(losses)
+        raise IsolationTypeError(
+            f"{caller}: every output must be a torch.Tensor; got {bad[0][1]} at index "
+            f"{bad[0][0]}; pass the loss tensor itself (not loss.item())"
+        )
+    raise IsolationTypeError(
+        f"{caller}: loss must be a torch.Tensor or a sequence of tensors, got "
+        f"{type(losses).__name__}; pass the loss tensor itself (not loss.item())"
+    )
+
+
+def walk(outputs: Sequence[torch.Tensor], caller: str) -> _Walk:
+    """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
+
+    Breadth-first rather than depth-first: the cost is the same (each node and edge once),
+    and the first route recorded to each node is a shortest one, which is the route a leak
+    message should show.
+    """
+    found = _Walk()
+    queue: deque[Node] = deque()
+    for out in outputs:
+        if out.grad_fn is not None:
+            if out.grad_fn not in found.parent:
+                found.parent[out.grad_fn] = None
+                queue.append(out.grad_fn)
+        elif out.requires_grad:  # a leaf that is its own output reaches itself
+            found.leaves[id(out)] = out
+    while queue:
+        node = queue.popleft()
+        variable = _accumulated(node)
+        if variable is not None:  # the end of a path
+            found.leaves[id(variable)] = variable
+            continue
+        if _node_name(node) in _OPAQUE_OPS:
+            found.opaque.append(_node_name(node))
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            leaf = _accumulated(child)
+            if leaf is not None:
+                found.consumers.setdefault(id(leaf), []).append(node)
+            if child not in found.parent:
+                found.parent[child] = node
+                queue.append(child)
+    if found.opaque:
+        warnings.warn(
+            f"{caller}: the graph holds {sorted(set(found.opaque))}, which re-runs code in "
+            f"backward; parameters used only inside it are invisible to the graph found. "
+            f"Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) to make them "
+            f"visible",
+            IsolationWarning,
+            stacklevel=3,
+        )
+    return found
+
+
+def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
+    """The names of the parameters of ``model`` that ``loss`` can send gradient to.
+
+    Walks the autograd graph from ``loss.grad_fn`` through ``next_functions`` down to the
+    ``AccumulateGrad`` nodes of the parameters. Nothing is computed and nothing is freed: the
+    graph stays intact for the real backward, and the walk costs far less than one backward
+    pass (each node is visited once, iteratively, so deep graphs are fine).
+
+    Args:
+        loss: a tensor, or a sequence of tensors (all their graphs are walked together).
+        model: the module whose parameters are looked for.
+
+    Returns:
+        A tuple of parameter names in the order of ``model.named_parameters()``. A tied
+        parameter appears under every one of its names. A loss without ``grad_fn`` (computed
+        under ``no_grad``, or detached) reaches nothing: the tuple is empty.
+
+    Raises:
+        IsolationTypeError: ``loss`` is not a tensor or a sequence of tensors, or ``model``
+            is not a module.
+
+    Warns:
+        IsolationWarning: the graph holds a reentrant checkpoint, whose insides it cannot see.
+
+    Note:
+        Reachability is structural: an edge in the graph counts even when the gradient along
+        it is always zero (``p * 0``) or when a custom ``autograd.Function`` returns ``None``
+        for that input. So the answer is an upper bound of where a backward can write, and a
+        parameter *not* in it provably gets no gradient from ``loss``. The one blind spot is
+        code that re-runs in backward and uses parameters that are not inputs of the node:
+        ``torch.utils.checkpoint`` with ``use_reentrant=True`` (warned about) and custom
+        Functions that close over parameters.
+
+    >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    >>> x = torch.randn(2, 3)
+    >>> reachable_parameters(model(x).sum(), model)
+    ('0.weight', '0.bias', '1.weight', '1.bias')
+    >>> reachable_parameters(model[1](model[0](x).detach()).sum(), model)
+    ('1.weight', '1.bias')
+    """
+    caller = "reachable_parameters()"
+    outputs = check_losses(loss, caller)
+    check_module(model, caller)
+    found = walk(outputs, caller)
+    return tuple(
+        name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in found.leaves
+    )
+
+
+def _short_path(path: list[str], keep: int = 3) -> str:
+    if len(path) > 2 * keep + 1:
+        path = [*path[:keep], f"... {len(path) - 2 * keep} more ...", *path[-keep:]]
+    return " -> ".join(path)
+
+
+def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | None = None) -> None:
+    """Raise if ``loss`` can send gradient to any protected parameter.
+
+    Uses the same graph walk as :func:`reachable_parameters`: no backward pass, and the graph
+    stays intact.
+
+    Args:
+        loss: a tensor or a sequence of tensors.
+        protected: the parameters that must get no gradient from ``loss``; see
+            :data:`Protected` (a module, modules, parameters, named parameters, or with
+            ``model=`` selector strings).
+        model: the whole model, to name parameters by their qualified names and to resolve
+            selector strings.
+
+    Raises:
+        GradientLeakError: ``loss`` reaches protected parameters; the message lists every one
+            with its owning module, the operation that consumes it (e.g. ``AddmmBackward0``)
+            and a route from the loss.
+        IsolationTypeError: an argument has the wrong type.
+        SelectorError: a selector matched nothing, a module is not part of ``model``, or
+            ``protected`` names no parameter at all (an exhausted generator, say).
+
+    Note:
+        A loss without ``grad_fn`` passes trivially: check that it was not computed under
+        ``torch.no_grad()`` by mistake. Frozen parameters (``requires_grad=False``) pass too,
+        but BatchNorm running statistics still move in train mode and optimizers still move
+        parameters whose ``.grad`` is a zero tensor; use :func:`isolate.snapshot` for those.
+
+    >>> encoder, head = nn.Linear(4, 4), nn.Linear(4, 1)
+    >>> x = torch.randn(2, 4)
+    >>> assert_isolated(head(encoder(x).detach()).sum(), encoder)
+    >>> assert_isolated(head(encoder(x)).sum(), encoder)
+    Traceback (most recent call last):
+    ...
+    isolate.errors.GradientLeakError: assert_isolated(): the loss reaches 2 of 2 protected ...
+    """
+    caller = "assert_isolated()"
+    outputs = check_losses(loss, caller)
+    named = resolve_named(protected, model, caller)
+    found = walk(outputs, caller)
+    leaked = [entry for entry in named if id(entry.tensor) in found.leaves]
+    if not leaked:
+        return
+    width = max(len(entry.name) for entry in leaked)
+    lines = []
+    routes: list[tuple[int, str, list[str]]] = []
+    for entry in leaked:
+        ops = found.connecting_ops(entry.tensor)
+        facts = []
+        if entry.owner:
+            facts.append(f"in {entry.owner}")
+        if ops:
+            facts.append(f"consumed by {', '.join(ops)}")
+        lines.append(f"  {entry.name:<{width}}  {'; '.join(facts)}".rstrip())
+        consumers = found.consumers.get(id(entry.tensor))
+        if consumers:
+            path = [*found.path(consumers[0]), "AccumulateGrad"]
+            routes.append((len(path), entry.name, path))
+    if routes:
+        # The shortest route shows where the loss's graph enters the protected parameters.
+        _, name, path = min(routes, key=lambda route: route[0])
+        lines.append(f"Shortest route, to {name}: {_short_path(path, keep=5)}")
+    raise GradientLeakError(
+        f"{caller}: the loss reaches {len(leaked)} of {len(named)} protected parameters:\n"
+        + "\n".join(lines)
+        + "\nFix: cut the path where the branch starts (isolate.stop_gradient(features) or "
+        "isolate.Detached(module)), or freeze the protected parameters (isolate.freeze)"
+    )
