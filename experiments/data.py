@@ -1,24 +1,35 @@
-"""MNIST and Fashion-MNIST as an in-memory ``LightningDataModule`` that also works offline.
+"""MNIST and Fashion-MNIST as an in-memory ``LightningDataModule``, offline first.
+
+Reading, decompressing, checksums and downloads are torchvision's
+(``torchvision.datasets.mnist.read_image_file`` / ``read_label_file``,
+``torchvision.datasets.utils.check_integrity`` / ``extract_archive`` / ``download_url``). This
+module adds what torchvision lacks: a search over folders that may be read-only, the Debian
+layout of Fashion-MNIST, a seeded carve of the test split when that is all there is, and typed
+errors that say which command-line flag fixes them.
 
 Where the data come from: for each file, the first of
 
 1. ``data_root/<Folder>/raw`` (``<Folder>`` is ``MNIST`` or ``FashionMNIST``), torchvision's
-   layout, ``.gz`` or decompressed. The data root may be read-only (``../shared/data`` is);
-   nothing is ever written next to a read-only root.
-2. For Fashion-MNIST only, ``/usr/share/datasets/fashion-mnist``, where the Debian package
-   ``dataset-fashion-mnist`` puts the four ``.gz`` files.
-3. ``cache_dir/<Folder>/raw``, where torchvision downloads go.
+   layout, ``.gz`` or decompressed;
+2. for Fashion-MNIST only, ``/usr/share/datasets/fashion-mnist``, where the Debian package
+   ``dataset-fashion-mnist`` puts the four ``.gz`` files side by side;
+3. ``cache_dir/<Folder>/raw``, where downloads go.
 
-``prepare_data`` leaves a decompressed copy of each verified ``.gz`` in ``cache_dir``, and later
-runs read that copy in place of the ``.gz`` (reports still name the ``.gz`` it came from).
+**Nothing is ever written into the data root or the system folder**: they belong to whoever
+made them (``../shared/data`` is shared by every checkout). Everything this module writes goes
+under ``cache_dir``, by default ``$XDG_CACHE_HOME/isolate`` or ``~/.cache/isolate``: downloads,
+and a decompressed copy of each verified ``.gz``, since torchvision's readers read only
+decompressed files. A verified copy stands in for its ``.gz`` in later runs (reports still name
+the ``.gz``); a cached copy that fails its checksum is made again. Files are written under a
+temporary name and renamed, so parallel runs (DDP ranks, the suite) never see half a file.
 
-Before searching, ``prepare_data`` asks torchvision to download the files into ``cache_dir`` if
-the full official split is not on disk (see ``download``). Every file is checked before use: a
-``.gz`` against the md5 in torchvision's resource list, or else its decompressed content against
+Before searching, ``prepare_data`` downloads the files of the official split that are on disk
+nowhere (see ``download``), from torchvision's mirrors into ``cache_dir``. Every file is checked
+before use: a ``.gz`` against the md5 in torchvision's resource list, or else its content against
 the md5 of the official uncompressed file (the Debian package ships recompressed ``.gz`` files of
-the same content); a decompressed file against the latter; and every file's IDX header (magic
-number, 28x28 images, byte count) and labels (0..9), so truncated or corrupt files raise
-:class:`DataCorruptError` instead of training on garbage.
+the same content); a decompressed file against the latter. torchvision's readers then check the
+IDX header against the byte count, and this module the image size and the label range, so
+truncated or corrupt files raise :class:`DataCorruptError` instead of training on garbage.
 
 When only the official test split (``t10k-*``, 10,000 images) is found, as in ``../shared/data``,
 train, validation and test sets are carved from it with a seeded permutation, and the datamodule
@@ -30,14 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gzip
-import hashlib
 import logging
 import os
+import shutil
 import socket
 import stat
 import tempfile
-import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,13 +57,14 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, TensorDataset
 
-from isolate.errors import IsolationError
-
 __all__ = [
+    "ENV_DATA_ROOT",
     "DataCorruptError",
+    "DataError",
     "DataNotFoundError",
     "MNISTDataModule",
     "TestSplitOnlyWarning",
+    "default_cache_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,7 +73,7 @@ ENV_DATA_ROOT = "ISOLATE_DATA_ROOT"
 """Environment variable read when ``data_root`` is not given."""
 
 DOWNLOAD_TIMEOUT_S = 10.0
-"""Socket timeout while torchvision downloads, so a network that drops packets fails fast."""
+"""Socket timeout while downloading, so a network that drops packets fails fast."""
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 """Where the Debian package ``dataset-fashion-mnist`` installs the four ``.gz`` files."""
@@ -97,11 +108,32 @@ _IMAGE_SIDE = 28
 _NUM_CLASSES = 10
 
 
-class DataNotFoundError(IsolationError, FileNotFoundError):
-    """The IDX files of a dataset are in none of the places searched."""
+class DataError(Exception):
+    """Base of the data errors: the data are missing or broken, not the code or the config.
+
+    ``str(error)`` is the whole message: what is wrong, where, expected vs. got, and on its last
+    line the fix. :attr:`hint` is that last line alone, in command-line spelling (for example
+    ``--data.download=true``), for a command line that prints it without a traceback.
+
+    Args:
+        message: What is wrong, naming the file or folder.
+        hint: The fix, in one line.
+    """
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n{self.hint}" if self.hint else self.message
 
 
-class DataCorruptError(IsolationError, ValueError):
+class DataNotFoundError(DataError, FileNotFoundError):
+    """The IDX files of a dataset are in none of the places searched, or a download failed."""
+
+
+class DataCorruptError(DataError, ValueError):
     """A data file is truncated, has the wrong checksum, or is not a valid IDX file."""
 
 
@@ -158,22 +190,23 @@ class MNISTDataModule(pl.LightningDataModule):
     Args:
         dataset: ``"mnist"`` or ``"fashion_mnist"``.
         data_root: Root folder in torchvision's layout (``<root>/MNIST/raw/...``). Defaults to the
-            ``ISOLATE_DATA_ROOT`` environment variable, else ``"data"``. May be read-only.
-        cache_dir: Writable root (same layout) for downloads and decompressed copies. Defaults
-            to ``data_root`` when that is writable, else ``$XDG_CACHE_HOME/isolate`` (or
-            ``~/.cache/isolate``), else a folder in the system temp directory.
+            ``ISOLATE_DATA_ROOT`` environment variable, else ``"data"``. Only read, never
+            written: it may be read-only or shared.
+        cache_dir: Root (same layout) for downloads and decompressed copies. Defaults to
+            :func:`default_cache_dir`: ``$XDG_CACHE_HOME/isolate``, else ``~/.cache/isolate``,
+            else a folder in the system temp directory.
         batch_size: Batch size of all three loaders.
         val_fraction: Share of the carved pool that goes to validation.
         test_fraction: Share of the 10,000 test images held out as the test set when only the
             test split is available; unused with the official split.
         seed: Seeds both the split and the train loader's shuffling.
         num_workers: ``DataLoader`` workers; 0 is fastest for in-memory tensors.
-        download: ``None`` tries a torchvision download into ``cache_dir`` when the official
-            split is missing and, if that fails, warns and uses what is on disk; ``True`` does the
-            same but a failed download raises; ``False`` never touches the network.
+        download: ``None`` downloads the files of the official split that are on disk nowhere
+            into ``cache_dir`` and, if that fails, warns and uses what is on disk; ``True`` does
+            the same but a failed download raises; ``False`` never touches the network.
         verify_md5: Check every file against the official md5 (see the module docstring). Turn
-            off only for IDX files you made yourself; the IDX header, byte count and label range
-            are checked either way.
+            off only for IDX files you made yourself; the IDX header, byte count, image size and
+            label range are checked either way.
         limit_train: Keep at most this many training images (a seeded subset), for fast runs.
         limit_val: Same for validation.
         limit_test: Same for test.
@@ -262,9 +295,7 @@ class MNISTDataModule(pl.LightningDataModule):
         self.mean = self._spec.mean
         self.std = self._spec.std
         self.data_root = Path(data_root or os.environ.get(ENV_DATA_ROOT) or "data")
-        self.cache_dir = (
-            Path(cache_dir) if cache_dir else _default_cache_dir(self.data_root, self._spec)
-        )
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.source_note = "setup() has not run yet."
         self.split_info: dict[str, Any] = {}
         self.train_set: TensorDataset | None = None
@@ -275,25 +306,21 @@ class MNISTDataModule(pl.LightningDataModule):
     # -- Lightning hooks --------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        """Download if needed and allowed, then leave decompressed, verified copies in the cache.
+        """Download what is missing if allowed, then check every file and cache its content.
 
-        Runs once per node (Lightning calls it on local rank 0 only); :meth:`setup` only reads.
+        Runs once per node (Lightning calls it on local rank 0 only).
 
         Raises:
             DataNotFoundError: If the test split is nowhere to be found, or ``download=True``
                 and the download failed.
             DataCorruptError: If a file fails its checks.
         """
-        download = self.download
-        if download is not False and not self._has_official_split():
-            self._try_download(required=download is True)
-        for name, (path, _) in self._locate().items():
-            if path.suffix != ".gz":
-                continue
-            raw = self._read(name, path)
-            if self.verify_md5:
-                # The cache holds only official content, which can stand in for any good copy.
-                self._store(name, raw)
+        missing = [name for name in (*TEST_FILES, *TRAIN_FILES) if self._find(name) is None]
+        if missing and self.download is not False:
+            self._download(missing, required=self.download is True)
+        for name, origin in self._locate().items():
+            with self._decompressed(name, origin):
+                pass
 
     def setup(self, stage: str | None = None) -> None:
         """Load, normalize and split the data; later calls do nothing.
@@ -307,20 +334,20 @@ class MNISTDataModule(pl.LightningDataModule):
         """
         if self.train_set is not None:
             return
-        located = self._locate()
-        files = {name: origin for name, (_, origin) in located.items()}
-        arrays = {name: self._read_idx(name, path) for name, (path, _) in located.items()}
+        files = self._locate()
+        arrays = {name: self._read(name, origin) for name, origin in files.items()}
         for images_name, labels_name in (TRAIN_FILES, TEST_FILES):
             if images_name in arrays and len(arrays[images_name]) != len(arrays[labels_name]):
                 raise DataCorruptError(
                     f"MNISTDataModule: {files[images_name]} holds {len(arrays[images_name])} "
                     f"images but {files[labels_name]} holds {len(arrays[labels_name])} labels; "
-                    "they must come from the same release. Delete both and download them again."
+                    "they must come from the same release.",
+                    "Delete both and download them again (--data.download=true).",
                 )
-        test_x, test_y = arrays[TEST_FILES[0]], arrays[TEST_FILES[1]].long()
+        test_x, test_y = arrays[TEST_FILES[0]], arrays[TEST_FILES[1]]
         if TRAIN_FILES[0] in arrays:
             mode = "official"
-            pool_x, pool_y = arrays[TRAIN_FILES[0]], arrays[TRAIN_FILES[1]].long()
+            pool_x, pool_y = arrays[TRAIN_FILES[0]], arrays[TRAIN_FILES[1]]
             pool = len(pool_y)
             n_val = round(self.val_fraction * pool)
             val_idx, train_idx = torch.split(_permutation(pool, self.seed), [n_val, pool - n_val])
@@ -376,156 +403,223 @@ class MNISTDataModule(pl.LightningDataModule):
         """Test batches in a fixed order."""
         return self._loader(self._require(self.test_set), shuffle=False)
 
-    # -- finding and reading files ----------------------------------------------------------
+    # -- finding files ----------------------------------------------------------------------
+
+    @property
+    def _cache_raw(self) -> Path:
+        return self.cache_dir / self._spec.folder / "raw"
 
     def _search_dirs(self) -> list[tuple[Path, str]]:
-        folder = self._spec.folder
-        dirs = [(self.data_root / folder / "raw", "data_root")]
-        dirs += [(d, "system default") for d in SYSTEM_DATA_DIRS.get(self.dataset, ())]
-        dirs.append((self.cache_dir / folder / "raw", "cache_dir"))
+        dirs = [(self.data_root / self._spec.folder / "raw", "--data.data_root")]
+        dirs += [
+            (d, "installed by a system package") for d in SYSTEM_DATA_DIRS.get(self.dataset, ())
+        ]
+        dirs.append((self._cache_raw, "--data.cache_dir, where downloads go"))
         unique: dict[Path, tuple[Path, str]] = {}
         for path, why in dirs:
             unique.setdefault(path.absolute(), (path, why))
         return list(unique.values())
 
-    def _find(self, name: str) -> tuple[Path, Path] | None:
-        """The path to read for one official file and the path it came from, if any."""
-        cached = self.cache_dir / self._spec.folder / "raw" / name
+    def _find(self, name: str) -> Path | None:
+        """Where one official file is, decompressed or ``.gz``, if anywhere."""
         for directory, _ in self._search_dirs():
             # torchvision leaves both forms side by side; the decompressed one reads faster.
-            for origin in (directory / name, directory / f"{name}.gz"):
-                if not origin.is_file():
-                    continue
-                # A cached copy is verified official content: it may stand in for a .gz only
-                # when that .gz must be official content too.
-                if origin.suffix == ".gz" and self.verify_md5 and cached.is_file():
-                    return cached, origin
-                return origin, origin
+            for path in (directory / name, directory / f"{name}.gz"):
+                if path.is_file():
+                    return path
         return None
 
-    def _locate(self) -> dict[str, tuple[Path, Path]]:
-        """Map each official file name to (path to read, origin); the train pair is optional."""
+    def _locate(self) -> dict[str, Path]:
+        """Map each official file name to where it is; the train pair is optional."""
         found = {name: self._find(name) for name in (*TEST_FILES, *TRAIN_FILES)}
-        missing = [name for name, paths in found.items() if paths is None]
+        missing = [name for name, path in found.items() if path is None]
         # Half a train pair means a broken copy or download, not a test-only data root.
         if any(name in missing for name in TEST_FILES) or len(missing) == 1:
-            raise DataNotFoundError(self._not_found_message(missing))
-        return {name: paths for name, paths in found.items() if paths is not None}
+            raise self._not_found(missing)
+        return {name: path for name, path in found.items() if path is not None}
 
-    def _has_official_split(self) -> bool:
-        return all(self._find(name) is not None for name in (*TEST_FILES, *TRAIN_FILES))
-
-    def _not_found_message(self, missing: list[str]) -> str:
-        title = self._spec.title
+    def _not_found(self, missing: list[str]) -> DataNotFoundError:
+        title, folder = self._spec.title, self._spec.folder
         searched = "\n".join(f"  - {path} ({why})" for path, why in self._search_dirs())
-        how = [
-            "run once with network access (download=None or True) so torchvision downloads "
-            f"them into cache_dir={self.cache_dir}",
-            f"or point data_root (or the {ENV_DATA_ROOT} environment variable) at a folder "
-            f"holding {self._spec.folder}/raw/<files> in torchvision's layout",
-        ]
-        if self.dataset == "fashion_mnist":
-            how.append(
-                "or install the Debian package: apt-get install dataset-fashion-mnist "
-                f"(it puts them in {DEBIAN_FASHION_MNIST})"
-            )
         tried = ""
         if self._download_error is not None:
             tried = f"\nA download was tried and failed: {self._download_error}"
-        return (
+        hint = (
+            f"To fix: pass --data.download=true (with network access) to download them into "
+            f"{self.cache_dir}, or --data.data_root=PATH for a folder holding "
+            f"{folder}/raw/{TEST_FILES[0]}.gz (or set {ENV_DATA_ROOT}=PATH)"
+        )
+        if self.dataset == "fashion_mnist":
+            hint += (
+                ", or install the Debian package: apt-get install dataset-fashion-mnist "
+                f"(it puts them in {DEBIAN_FASHION_MNIST})"
+            )
+        return DataNotFoundError(
             f"MNISTDataModule: {title} files not found: missing "
             + ", ".join(f"{n}[.gz]" for n in missing)
             + f". Needed: {' and '.join(TEST_FILES)} (the official test split, enough on its "
             f"own), plus {' and '.join(TRAIN_FILES)} for the official train split, each "
-            ".gz or decompressed.\nSearched:\n"
-            + searched
-            + "\nTo get them: "
-            + "; ".join(how)
-            + "."
-            + tried
+            ".gz or decompressed.\nSearched:\n" + searched + tried,
+            hint + ".",
         )
 
-    def _read(self, name: str, path: Path) -> bytes:
-        """The checked, decompressed bytes of one official file."""
-        data = path.read_bytes()
-        fix = (
-            f"Delete or replace {path}: download it again (run once with network access) or "
-            "copy a good one"
-        )
-        own_files = "; for IDX files you made yourself, pass verify_md5=False"
-        raw_md5 = _RAW_MD5[self.dataset][name]
-        got_md5 = hashlib.md5(data).hexdigest()
-        if path.suffix == ".gz":
-            gz_md5 = _torchvision_md5(self._spec.folder)[f"{name}.gz"]
+    # -- checking and reading files -----------------------------------------------------------
+
+    def _read(self, name: str, origin: Path) -> torch.Tensor:
+        """The checked content of one official file: uint8 images or int64 labels."""
+        from torchvision.datasets.mnist import read_image_file, read_label_file
+
+        images = "images" in name
+        with self._decompressed(name, origin) as path:
             try:
-                raw = gzip.decompress(data)
-            except (OSError, EOFError, zlib.error) as exc:
-                raise DataCorruptError(
-                    f"MNISTDataModule: {path} is not a valid gzip file ({exc}); md5 expected "
-                    f"{gz_md5} (torchvision's {self._spec.folder} resource list), got {got_md5}, "
-                    f"size {len(data)} bytes. {fix}."
+                tensor = (read_image_file if images else read_label_file)(str(path))
+            except (AssertionError, KeyError, RuntimeError, TypeError, ValueError) as exc:
+                # torchvision's reader checks the header against the byte count, mostly with
+                # bare asserts; this says which file, and survives python -O as KeyError etc.
+                what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                raise self._corrupt(
+                    origin, f"is not a complete IDX file of {name} (torchvision: {what})"
                 ) from exc
-            if self.verify_md5 and got_md5 != gz_md5:
-                content_md5 = hashlib.md5(raw).hexdigest()
-                if content_md5 != raw_md5:
-                    raise DataCorruptError(
-                        f"MNISTDataModule: {path} has the wrong checksum: md5 expected {gz_md5} "
-                        f"(torchvision's {self._spec.folder} resource list), got {got_md5}; its "
-                        f"content's md5 expected {raw_md5} (the official {name}), got "
-                        f"{content_md5}. {fix}{own_files}."
-                    )
-        else:
-            raw = data
-            if self.verify_md5 and got_md5 != raw_md5:
-                raise DataCorruptError(
-                    f"MNISTDataModule: {path} has the wrong checksum: md5 expected {raw_md5} (the "
-                    f"official {name}), got {got_md5}, size {len(raw)} bytes. {fix}{own_files}."
-                )
-        _check_idx(raw, name, path, fix)
-        return raw
+        if images and tuple(tensor.shape[1:]) != (_IMAGE_SIDE, _IMAGE_SIDE):
+            raise self._corrupt(
+                origin,
+                f"holds {tensor.shape[1]}x{tensor.shape[2]} images; expected "
+                f"{_IMAGE_SIDE}x{_IMAGE_SIDE}",
+            )
+        if not images and len(tensor) and int(tensor.max()) >= _NUM_CLASSES:
+            raise self._corrupt(
+                origin,
+                f"holds label {int(tensor.max())}; expected labels in 0..{_NUM_CLASSES - 1}",
+            )
+        return tensor
 
-    def _read_idx(self, name: str, path: Path) -> torch.Tensor:
-        raw = self._read(name, path)
-        if "images" in name:
-            images = torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=16)
-            return images.view(-1, _IMAGE_SIDE, _IMAGE_SIDE)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=8)
+    @contextlib.contextmanager
+    def _decompressed(self, name: str, origin: Path) -> Iterator[Path]:
+        """A checked, decompressed file with the content of ``origin``, for torchvision to read.
 
-    def _store(self, name: str, raw: bytes) -> None:
-        target = self.cache_dir / self._spec.folder / "raw" / name
-        if target.is_file():
+        Verified content is kept in ``cache_dir`` for later runs; anything else is decompressed
+        into a temporary folder that is removed afterwards.
+        """
+        from torchvision.datasets.utils import check_integrity
+
+        raw_md5 = _RAW_MD5[self.dataset][name]
+        if origin.suffix != ".gz":
+            if self.verify_md5 and not check_integrity(origin, raw_md5):
+                raise self._wrong_md5(origin, raw_md5)
+            yield origin
             return
+        cached = self._cache_raw / name
+        if self.verify_md5 and cached.is_file():
+            if check_integrity(cached, raw_md5):
+                yield cached
+                return
+            log.warning("%s fails its md5 check; decompressing %s again", cached, origin)
+        with tempfile.TemporaryDirectory(prefix="isolate-") as tmp:
+            path = self._extract(origin, Path(tmp))
+            if self.verify_md5:
+                gz_md5 = _resources(self._spec.folder)[f"{name}.gz"]
+                # A .gz with another md5 may be a recompressed copy (Debian's) of the same content.
+                if not check_integrity(origin, gz_md5) and not check_integrity(path, raw_md5):
+                    raise self._wrong_md5(origin, gz_md5, content=path, content_md5=raw_md5)
+                self._store(path, cached)
+            yield path
+
+    def _extract(self, origin: Path, folder: Path) -> Path:
+        from torchvision.datasets.utils import extract_archive
+
+        try:
+            extract_archive(origin, folder)
+        except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; zlib.error too
+            raise self._corrupt(origin, f"is not a valid gzip file ({exc})") from exc
+        return folder / origin.name.removesuffix(".gz")
+
+    def _store(self, path: Path, target: Path) -> None:
+        """Copy verified content to ``target`` in the cache; a failure only costs time."""
+        created = _missing_dirs(target.parent)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            # Write then rename, so an interrupted run or a parallel one never sees half a file.
-            tmp = target.with_name(f"{name}.tmp-{os.getpid()}")
-            tmp.write_bytes(raw)
+            # Copy then rename, so an interrupted run or a parallel one never sees half a file.
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            shutil.copyfile(path, tmp)
             tmp.replace(target)
         except OSError as exc:
-            # The cache only saves decompressing again; setup() reads the .gz just as well.
-            log.warning("could not cache %s in %s: %s", name, target.parent, exc)
+            log.warning("could not cache %s in %s: %s", target.name, target.parent, exc)
+            _remove_empty(created)
         else:
-            log.info("cached a decompressed copy of %s in %s", name, target.parent)
+            log.info("cached a decompressed copy of %s in %s", target.name, target.parent)
 
-    def _try_download(self, *, required: bool) -> None:
-        from torchvision import datasets
+    def _corrupt(self, path: Path, problem: str) -> DataCorruptError:
+        return DataCorruptError(
+            f"MNISTDataModule: {path} {problem}.",
+            f"To fix: delete or replace {path}: download it again (--data.download=true, with "
+            "network access) or copy a good one.",
+        )
 
-        raw_dir = self.cache_dir / self._spec.folder / "raw"
-        before = set(raw_dir.iterdir()) if raw_dir.is_dir() else set()
+    def _wrong_md5(
+        self,
+        path: Path,
+        md5: str,
+        *,
+        content: Path | None = None,
+        content_md5: str | None = None,
+    ) -> DataCorruptError:
+        from torchvision.datasets.utils import calculate_md5
+
+        source = "torchvision's resource list" if content is not None else "the official file"
+        problem = (
+            f"has the wrong checksum: md5 expected {md5} ({source}), got {calculate_md5(path)}"
+        )
+        if content is not None:
+            problem += (
+                f"; its content's md5 expected {content_md5} (the official {content.name}), "
+                f"got {calculate_md5(content)}"
+            )
+        error = self._corrupt(path, problem)
+        error.hint += " For IDX files you made yourself, pass --data.verify_md5=false instead."
+        return error
+
+    # -- downloading --------------------------------------------------------------------------
+
+    def _download(self, names: list[str], *, required: bool) -> None:
+        """Download ``names`` from torchvision's mirrors into the cache, all or none."""
+        from torchvision.datasets.utils import download_and_extract_archive
+
+        raw_dir = self._cache_raw
+        created = _missing_dirs(raw_dir)
+        mirrors = _mirrors(self._spec.folder)
+        resources = _resources(self._spec.folder)
         previous_timeout = socket.getdefaulttimeout()
         # torchvision's urlopen has no timeout of its own; a network that drops packets would
         # otherwise hang prepare_data indefinitely.
         socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
         try:
-            getattr(datasets, self._spec.folder)(str(self.cache_dir), train=False, download=True)
-        except Exception as exc:  # torchvision raises RuntimeError, urllib OSError, http more
-            self._download_error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-            self._discard_partial_downloads(raw_dir, before)
+            raw_dir.mkdir(parents=True, exist_ok=True)
+            # Into a temporary folder first: a failed download leaves nothing half-written, and a
+            # train image file never lands without its labels.
+            with tempfile.TemporaryDirectory(dir=raw_dir, prefix=".download-") as tmp:
+                for name in names:
+                    errors = []
+                    for mirror in mirrors:
+                        try:
+                            download_and_extract_archive(
+                                f"{mirror}{name}.gz", tmp, md5=resources[f"{name}.gz"]
+                            )
+                            break
+                        except Exception as exc:  # urllib's URLError/OSError, torchvision's more
+                            errors.append(f"{mirror}: {type(exc).__name__}: {exc}")
+                    else:
+                        raise OSError(f"{name}.gz from " + "; ".join(errors))
+                for path in Path(tmp).iterdir():
+                    path.replace(raw_dir / path.name)
+        except Exception as exc:
+            self._download_error = " ".join(str(exc).split())
+            _remove_empty(created)
             if required:
                 raise DataNotFoundError(
-                    f"MNISTDataModule: download=True but the {self._spec.title} download "
-                    f"into {raw_dir} failed: {self._download_error}. Run with network access, "
-                    "or pass download=None to fall back to the files on disk."
+                    f"MNISTDataModule: download=True but the {self._spec.title} download into "
+                    f"{raw_dir} failed: {self._download_error}.",
+                    "To fix: run with network access, or pass --data.download=false to use only "
+                    "the files on disk.",
                 ) from exc
             rank_zero_warn(
                 f"MNISTDataModule: could not download {self._spec.title} "
@@ -534,16 +628,7 @@ class MNISTDataModule(pl.LightningDataModule):
         finally:
             socket.setdefaulttimeout(previous_timeout)
 
-    def _discard_partial_downloads(self, raw_dir: Path, before: set[Path]) -> None:
-        """Remove .gz files a failed download left half-written, so they cannot shadow others."""
-        expected = _torchvision_md5(self._spec.folder)
-        for path in set(raw_dir.iterdir()) - before if raw_dir.is_dir() else ():
-            md5 = expected.get(path.name)
-            if md5 is not None and hashlib.md5(path.read_bytes()).hexdigest() != md5:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-
-    # -- building ---------------------------------------------------------------------------
+    # -- building -----------------------------------------------------------------------------
 
     def _normalize(self, images: torch.Tensor) -> torch.Tensor:
         x = images.unsqueeze(1).to(torch.float32).div_(255.0)
@@ -566,8 +651,8 @@ class MNISTDataModule(pl.LightningDataModule):
                 f"{files[TEST_FILES[0]].parent}. Train ({n['train']}), validation ({n['val']}) "
                 f"and test ({n['test']}) are disjoint parts of it, carved with seed {self.seed}, "
                 "so accuracies are not comparable with results on the official 60,000/10,000 "
-                "split. For the full dataset, run once with network access or point data_root "
-                "at a full copy."
+                "split. For the full dataset, pass --data.download=true (with network access) "
+                "or --data.data_root=PATH of a full copy."
             )
         limits = {
             k: getattr(self, f"limit_{k}")
@@ -615,45 +700,57 @@ class MNISTDataModule(pl.LightningDataModule):
         return dataset
 
 
-def _check_idx(raw: bytes, name: str, path: Path, fix: str) -> None:
-    """Raise unless ``raw`` is a complete IDX file of 28x28 uint8 images or of uint8 labels."""
-    ndim = 3 if "images" in name else 1
-    magic = 0x0800 + ndim  # two zero bytes, 0x08 for uint8, then the number of dimensions
-    header = 4 + 4 * ndim
-    if len(raw) < header or int.from_bytes(raw[:4], "big") != magic:
-        got = raw[:4].hex() if len(raw) >= 4 else f"only {len(raw)} bytes"
-        raise DataCorruptError(
-            f"MNISTDataModule: {path} is not an IDX file of {name}: magic number expected "
-            f"{magic:08x}, got {got}. {fix}."
-        )
-    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    expected = header + dims[0] * (_IMAGE_SIDE * _IMAGE_SIDE if ndim == 3 else 1)
-    if ndim == 3 and dims[1:] != [_IMAGE_SIDE, _IMAGE_SIDE]:
-        raise DataCorruptError(
-            f"MNISTDataModule: {path} holds {dims[1]}x{dims[2]} images; expected "
-            f"{_IMAGE_SIDE}x{_IMAGE_SIDE}. {fix}."
-        )
-    if len(raw) != expected:
-        raise DataCorruptError(
-            f"MNISTDataModule: {path} is truncated or padded: its header announces {dims[0]} "
-            f"items, that is {expected} bytes decompressed, got {len(raw)}. {fix}."
-        )
-    if ndim == 1 and len(raw) > header and max(raw[header:]) >= _NUM_CLASSES:
-        raise DataCorruptError(
-            f"MNISTDataModule: {path} holds label {max(raw[header:])}; expected labels in "
-            f"0..{_NUM_CLASSES - 1}. {fix}."
-        )
+def default_cache_dir() -> Path:
+    """Where downloads and decompressed copies go unless ``cache_dir`` is given.
+
+    ``$XDG_CACHE_HOME/isolate`` if that variable is set, else ``~/.cache/isolate``; a folder in
+    the system temp directory when that cannot be written.
+
+    Example:
+        >>> default_cache_dir().name
+        'isolate'
+    """
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    with contextlib.suppress(RuntimeError):  # no home directory
+        user_cache = (Path(xdg) if xdg else Path.home() / ".cache") / "isolate"
+        if _writable(user_cache):
+            return user_cache
+    return Path(tempfile.gettempdir()) / "isolate"
 
 
 @functools.cache
-def _torchvision_md5(folder: str) -> dict[str, str]:
+def _resources(folder: str) -> dict[str, str]:
+    """torchvision's ``.gz`` file names and md5s for one dataset class."""
     from torchvision import datasets
 
     return dict(getattr(datasets, folder).resources)
 
 
+def _mirrors(folder: str) -> list[str]:
+    from torchvision import datasets
+
+    return list(getattr(datasets, folder).mirrors)
+
+
 def _permutation(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the folders of :func:`_missing_dirs` again, as far as they are still empty."""
+    for path in dirs:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def _writable(path: Path) -> bool:
@@ -664,20 +761,9 @@ def _writable(path: Path) -> bool:
     if not probe.is_dir():
         return False
     # root may write anywhere, so os.access alone would call a folder that was made read-only
-    # on purpose (like ../shared/data, r-x for everyone) writable.
+    # on purpose (r-x for everyone) writable.
     if not probe.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         return False
     if hasattr(os, "statvfs") and os.statvfs(probe).f_flag & os.ST_RDONLY:
         return False
     return os.access(probe, os.W_OK)
-
-
-def _default_cache_dir(data_root: Path, spec: _Spec) -> Path:
-    if _writable(data_root / spec.folder / "raw"):
-        return data_root
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    with contextlib.suppress(RuntimeError):  # no home directory
-        user_cache = Path(xdg) if xdg else Path.home() / ".cache"
-        if _writable(user_cache / "isolate" / spec.folder / "raw"):
-            return user_cache / "isolate"
-    return Path(tempfile.gettempdir()) / "isolate"
