@@ -8,6 +8,8 @@ from isolate.cloning import Cloned, clone
 from isolate.detaching import Detached, GradientScale, scale_gradient, stop_gradient
 from isolate.drift import Exposure, Snapshot, optimizer_exposure, snapshot
 from isolate.errors import (
+    BlindSpotError,
+    CutOffError,
     DriftError,
     GradientLeakError,
     InplaceModificationError,
@@ -27,12 +29,17 @@ from isolate.gradients import (
     gradient_report,
 )
 from isolate.graph import assert_isolated, reachable_parameters
+from isolate.reach import CutOff, ForwardTrace, assert_reached, cut_off_parameters, trace_forward
 
 __all__ = [
+    "BlindSpotError",
     "Cloned",
+    "CutOff",
+    "CutOffError",
     "Detached",
     "DriftError",
     "Exposure",
+    "ForwardTrace",
     "FreezeHandle",
     "Frozen",
     "GradientInvariance",
@@ -49,7 +56,9 @@ __all__ = [
     "Snapshot",
     "WrappingError",
     "assert_isolated",
+    "assert_reached",
     "clone",
+    "cut_off_parameters",
     "freeze",
     "frozen",
     "gradient_invariance",
@@ -60,6 +69,7 @@ __all__ = [
     "scale_gradient",
     "snapshot",
     "stop_gradient",
+    "trace_forward",
     "unfreeze",
     "unfrozen",
 ]

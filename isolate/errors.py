@@ -8,6 +8,8 @@ know about ``isolate``.
 from __future__ import annotations
 
 __all__ = [
+    "BlindSpotError",
+    "CutOffError",
     "DriftError",
     "GradientLeakError",
     "InplaceModificationError",
@@ -50,6 +52,14 @@ class GradientLeakError(IsolationError, AssertionError):
 
 class DriftError(IsolationError, AssertionError):
     """Parameters or buffers changed when they were meant to stay fixed."""
+
+
+class CutOffError(IsolationError, AssertionError):
+    """Trainable parameters get no gradient from any loss: they will never learn."""
+
+
+class BlindSpotError(IsolationError, RuntimeError):
+    """An audit cannot see part of the graph (code re-run in backward), so it refuses."""
 
 
 class IsolationWarning(UserWarning):

@@ -131,12 +131,13 @@ def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
     )
 
 
-def walk(outputs: Sequence[torch.Tensor], caller: str) -> _Walk:
+def walk(outputs: Sequence[torch.Tensor], caller: str, *, warn: bool = True) -> _Walk:
     """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
 
     Breadth-first rather than depth-first: the cost is the same (each node and edge once),
     and the first route recorded to each node is a shortest one, which is the route a leak
-    message should show.
+    message should show. ``warn=False`` leaves the opaque nodes to the caller, which must
+    then act on ``found.opaque`` itself.
     """
     found = _Walk()
     queue: deque[Node] = deque()
@@ -164,7 +165,7 @@ def walk(outputs: Sequence[torch.Tensor], caller: str) -> _Walk:
             if child not in found.parent:
                 found.parent[child] = node
                 queue.append(child)
-    if found.opaque:
+    if found.opaque and warn:
         warnings.warn(
             f"{caller}: the graph holds {sorted(set(found.opaque))}, which re-runs code in "
             f"backward; parameters used only inside it are invisible to the graph found. "

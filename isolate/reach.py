@@ -1,0 +1,464 @@
+"""Isolation the other way round: the trainable parameters that no loss reaches.
+
+:func:`cut_off_parameters` walks the same autograd graph as
+:func:`isolate.reachable_parameters` and names every trainable parameter that no given loss
+can send gradient to, with the reason where it can be told; :func:`assert_reached` turns that
+into an assertion. Run the forward inside :func:`trace_forward` to learn *why* a parameter is
+cut off (its module did not run, ran under ``no_grad``, ran inside a reentrant checkpoint
+whose inputs do not require grad, or its output was detached on the way to the loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+from torch.utils.checkpoint import CheckpointFunction
+
+from isolate._selectors import Selector, check_module, select
+from isolate._tree import iter_tensors
+from isolate.errors import BlindSpotError, CutOffError, IsolationTypeError
+from isolate.graph import Losses, _Walk, check_losses, walk
+
+__all__ = ["CutOff", "ForwardTrace", "assert_reached", "cut_off_parameters", "trace_forward"]
+
+# The frames of a reentrant checkpoint: its forward runs the segment under no_grad, its
+# backward runs it again with grad. The node of a Python autograd Function is its ``ctx``.
+_CHECKPOINT_CODES: frozenset[CodeType] = frozenset(
+    {CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__}
+)
+
+_FIX_CHECKPOINT = (
+    "make the segment's input require grad (x.requires_grad_(); in transformers, "
+    "model.enable_input_require_grads()) or use torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=False)"
+)
+
+
+@dataclass
+class _Call:
+    """One call of one module, as the hooks of :func:`trace_forward` saw it."""
+
+    order: int
+    grad_enabled: bool
+    input_has_graph: bool
+    # The CheckpointFunctionBackward node of the reentrant checkpoint the call ran inside,
+    # and whether that checkpoint's inputs required grad.
+    checkpoint: Node | None = None
+    checkpoint_inputs_grad: bool = False
+    outputs: list[Node | torch.Tensor] = field(default_factory=list)
+
+    def reaches(self, found: _Walk) -> bool:
+        return any(
+            (o in found.parent) if isinstance(o, Node) else (id(o) in found.leaves)
+            for o in self.outputs
+        )
+
+
+def _enclosing_checkpoint() -> tuple[Node | None, bool]:
+    """The reentrant checkpoint node whose forward is on the stack, if any."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _CHECKPOINT_CODES:
+            ctx = frame.f_locals.get("ctx")
+            args = frame.f_locals.get("args", ())
+            inputs_grad = any(t.requires_grad for t in iter_tensors(args))
+            return (ctx if isinstance(ctx, Node) else None), inputs_grad
+        frame = frame.f_back  # type: ignore[assignment]
+    return None, False
+
+
+class ForwardTrace:
+    """Which modules of a model ran, how, and what they returned; see :func:`trace_forward`.
+
+    Holding a trace keeps the graph nodes of the traced outputs alive: drop it after the
+    check.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.calls: dict[int, list[_Call]] = {}
+        self._pending: dict[int, list[_Call]] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._count = 0
+        self._watched = {id(m) for m in model.modules()}
+
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        grad = torch.is_grad_enabled()
+        tensors = [*iter_tensors(args), *iter_tensors(kwargs)]
+        call = _Call(
+            order=self._count,
+            grad_enabled=grad,
+            input_has_graph=any(t.requires_grad for t in tensors),
+        )
+        self._count += 1
+        if not grad:  # a reentrant checkpoint runs its segment under no_grad
+            call.checkpoint, call.checkpoint_inputs_grad = _enclosing_checkpoint()
+        self._pending.setdefault(id(module), []).append(call)
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        pending = self._pending.get(id(module))
+        if not pending:
+            return
+        call = pending.pop()
+        for t in iter_tensors(output):
+            if t.grad_fn is not None:
+                call.outputs.append(t.grad_fn)
+            elif t.requires_grad:
+                call.outputs.append(t)
+        self.calls.setdefault(id(module), []).append(call)
+
+    def watches(self, module: nn.Module) -> bool:
+        """Whether the trace has hooks (or had, before :meth:`remove`) on ``module``."""
+        return id(module) in self._watched
+
+    def ran(self, module: nn.Module) -> bool:
+        """Whether ``module`` was called while the trace was recording."""
+        return bool(self.calls.get(id(module)))
+
+    def remove(self) -> None:
+        """Remove the hooks; what was recorded stays readable."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+@contextlib.contextmanager
+def trace_forward(model: nn.Module) -> Iterator[ForwardTrace]:
+    """Record which modules of ``model`` run in the block, so a cut-off can be explained.
+
+    Registers a forward pre-hook and a forward hook on every module of ``model`` and removes
+    them on exit, also when the block raises. Pass the trace to :func:`cut_off_parameters` or
+    :func:`assert_reached` as ``trace=``.
+
+    Args:
+        model: the module whose submodules are watched.
+
+    Yields:
+        A :class:`ForwardTrace`.
+
+    Raises:
+        IsolationTypeError: ``model`` is not a module.
+
+    Note:
+        The hooks cost a few microseconds per module call: trace the step you check, not
+        every step. Modules called only through ``module.forward(...)`` (not ``module(...)``)
+        skip hooks and read as "did not run".
+
+    >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    >>> with trace_forward(model) as trace:
+    ...     loss = model[1](model[0](torch.randn(2, 3)).detach()).sum()
+    >>> cut = cut_off_parameters(loss, model, trace=trace)
+    >>> list(cut.parameters)
+    ['0.weight', '0.bias']
+    >>> cut.parameters["0.weight"].split(":")[0]
+    "'0' (Linear) ran, but its output does not reach the loss"
+    """
+    check_module(model, "trace_forward()")
+    trace = ForwardTrace(model)
+    try:
+        for module in model.modules():
+            trace._handles.append(module.register_forward_pre_hook(trace._pre, with_kwargs=True))
+            trace._handles.append(module.register_forward_hook(trace._post, with_kwargs=True))
+        yield trace
+    finally:
+        trace.remove()
+
+
+@dataclass(frozen=True)
+class CutOff:
+    """The trainable parameters that no loss reaches; see :func:`cut_off_parameters`.
+
+    Attributes:
+        parameters: parameter name -> why it is cut off (with the fix where one is known),
+            in model order. A tied parameter appears under every one of its names.
+        unseen: parameters the graph cannot show either way, because it holds code that is
+            re-run in backward (a reentrant checkpoint that reaches the loss): neither
+            reached nor cut off.
+        expected_unused: parameters declared unused with ``expected_unused=`` that no loss
+            reached; they are not cut off.
+        trainable: how many trainable parameter names were checked.
+    """
+
+    parameters: Mapping[str, str]
+    unseen: tuple[str, ...] = ()
+    expected_unused: tuple[str, ...] = ()
+    trainable: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """True when every trainable parameter is reached or expected to be unused."""
+        return not self.parameters and not self.unseen
+
+    def __str__(self) -> str:
+        lines = [
+            f"{len(self.parameters)} of {self.trainable} trainable parameters get no gradient "
+            f"from any loss" + (":" if self.parameters else "")
+        ]
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.parameters.items():
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in by_reason.items():
+            lines.append(f"  {', '.join(names)}: {reason}")
+        if self.unseen:
+            lines.append(
+                f"{len(self.unseen)} cannot be seen: {', '.join(self.unseen)} may be used "
+                f"inside a reentrant checkpoint, which re-runs code in backward that the graph "
+                f"does not show; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
+                f"to make them visible"
+            )
+        if self.expected_unused:
+            lines.append(f"expected unused: {', '.join(self.expected_unused)}")
+        return "\n".join(lines)
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """id(parameter) -> every (module name, module) that holds it directly."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append((name, module))
+    return owners
+
+
+def _shown(name: str, module: nn.Module) -> str:
+    return f"{name or '<root>'!r} ({type(module).__name__})"
+
+
+_GENERIC = (
+    "no path from any loss in the autograd graph (its module did not run, ran under "
+    "no_grad or inside a reentrant checkpoint whose inputs do not require grad, or its "
+    "output was detached); run the forward inside isolate.trace_forward(model) and pass "
+    "trace= to be told which"
+)
+
+
+def _diagnose(
+    owners: list[tuple[str, nn.Module]],
+    trace: ForwardTrace | None,
+    found: _Walk,
+    entries: list[tuple[int, str]],
+) -> str:
+    """Why the parameters held by ``owners`` are cut off, as far as the trace tells."""
+    traced = [(n, m, trace.calls.get(id(m), [])) for n, m in owners if trace and trace.watches(m)]
+    if not traced:
+        return _GENERIC
+    ran = [(name, module, calls) for name, module, calls in traced if calls]
+    if not ran:
+        name, module, _ = traced[0]
+        return (
+            f"{_shown(name, module)} did not run in the traced forward (a branch or group the "
+            f"forward skips on this path)"
+        )
+    name, module, calls = ran[0]
+    shown = _shown(name, module)
+    in_checkpoint = [c for c in calls if c.checkpoint is not None]
+    if in_checkpoint:
+        if not any(c.checkpoint_inputs_grad for c in in_checkpoint):
+            return (
+                f"{shown} ran inside a reentrant checkpoint whose inputs do not require grad, "
+                f"so the segment's output carries no graph. Fix: {_FIX_CHECKPOINT}"
+            )
+        return f"{shown} ran inside a reentrant checkpoint whose output does not reach the loss"
+    if not any(c.grad_enabled for c in calls):
+        return (
+            f"{shown} ran with gradient tracking off (torch.no_grad(), inference_mode), so "
+            f"its output carries no graph. Fix: run it with grad enabled"
+        )
+    if any(c.reaches(found) for c in calls):
+        return (
+            f"{shown} ran and its output reaches the loss, but not through this parameter "
+            f"(read through .detach() or .data, or not used in forward)"
+        )
+    text = (
+        f"{shown} ran, but its output does not reach the loss: it is detached "
+        f"(stop_gradient, .detach(), Detached) on the way, or feeds a loss that is not "
+        f"passed in"
+    )
+    first = min(c.order for c in calls)
+    later = [entry for order, entry in entries if order > first]
+    if later:
+        text += f"; the loss's graph starts again at {later[0]}, whose input carries no graph"
+    return text
+
+
+def _check_expected(
+    model: nn.Module, expected_unused: Selector | Sequence[Selector], caller: str
+) -> set[int]:
+    if isinstance(expected_unused, (list, tuple)):
+        selectors = tuple(expected_unused)
+    else:
+        selectors = (expected_unused,)
+    if not selectors:
+        return set()
+    return {id(p) for p in select(model, selectors, caller).params.values()}
+
+
+def _cut_off(
+    losses: Losses | Mapping[str, torch.Tensor],
+    model: nn.Module,
+    expected_unused: Selector | Sequence[Selector],
+    trace: ForwardTrace | None,
+    caller: str,
+) -> CutOff:
+    if isinstance(losses, Mapping):
+        losses = list(losses.values())
+    outputs = check_losses(losses, caller)
+    check_module(model, caller)
+    if trace is not None and not isinstance(trace, ForwardTrace):
+        raise IsolationTypeError(
+            f"{caller}: trace must be the ForwardTrace of isolate.trace_forward(model), got "
+            f"{type(trace).__name__}"
+        )
+    excused = _check_expected(model, expected_unused, caller)
+    found = walk(outputs, caller, warn=False)
+    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    missing = [(n, p) for n, p in named if id(p) not in found.leaves]
+    if not missing:
+        return CutOff({}, trainable=len(named))
+    owners = _owners(model)
+    no_graph = all(out.grad_fn is None for out in outputs)
+    entries: list[tuple[int, str]] = []
+    if trace is not None and not found.opaque:
+        modules = {id(m): (n, m) for n, m in model.named_modules()}
+        for key, calls in trace.calls.items():
+            for c in calls:
+                if key in modules and not c.input_has_graph and c.reaches(found):
+                    entries.append((c.order, _shown(*modules[key])))
+        entries.sort()
+    parameters: dict[str, str] = {}
+    unseen: list[str] = []
+    expected: list[str] = []
+    reasons: dict[int, str] = {}
+    for name, p in missing:
+        if id(p) in excused:
+            expected.append(name)
+            continue
+        if found.opaque:
+            # A reentrant checkpoint in the graph re-runs code in backward that may use any
+            # parameter, even one whose module the trace saw elsewhere: refuse to guess.
+            unseen.append(name)
+        elif no_graph:
+            parameters[name] = (
+                "no loss has a graph (computed under torch.no_grad(), detached, or from "
+                "frozen parameters only)"
+            )
+        else:
+            if id(p) not in reasons:
+                reasons[id(p)] = _diagnose(owners.get(id(p), []), trace, found, entries)
+            parameters[name] = reasons[id(p)]
+    return CutOff(parameters, tuple(unseen), tuple(expected), trainable=len(named))
+
+
+def cut_off_parameters(
+    losses: Losses | Mapping[str, torch.Tensor],
+    model: nn.Module,
+    *,
+    expected_unused: Selector | Sequence[Selector] = (),
+    trace: ForwardTrace | None = None,
+) -> CutOff:
+    """The trainable parameters of ``model`` that no loss can send gradient to, and why.
+
+    The dual of :func:`isolate.reachable_parameters`, from the same walk of the autograd
+    graph (no backward pass, the graph stays intact): a trainable parameter that no loss
+    reaches will keep its value, however training looks.
+
+    Args:
+        losses: a loss tensor, a sequence of them, or a mapping of names to them; a
+            parameter counts as reached when any of them reaches it.
+        model: the module whose trainable parameters (``requires_grad=True``) are checked.
+        expected_unused: selectors, as in :func:`isolate.freeze`, for parameters that may
+            go unused on this step (a mixture-of-experts expert that no token was routed
+            to); reported under ``expected_unused``, never as cut off. A selector that
+            matches nothing is an error.
+        trace: the :class:`ForwardTrace` of a forward run inside :func:`trace_forward`, to
+            say why each parameter is cut off and to see which parameters ran inside a
+            reentrant checkpoint.
+
+    Returns:
+        A :class:`CutOff`; ``.parameters`` maps each cut-off name to its reason, empty when
+        every trainable parameter is reached.
+
+    Raises:
+        IsolationTypeError: an argument has the wrong type.
+        SelectorError: an ``expected_unused`` selector matches no parameter.
+
+    Note:
+        Reachability is structural: a parameter with an exactly zero gradient through a
+        live path (a classifier head initialised to zero) is reached, not cut off. When the
+        graph holds a reentrant checkpoint (``use_reentrant=True``) that reaches the loss,
+        code it re-runs in backward may use any parameter, so every unreached parameter is
+        then listed under ``unseen``, never as cut off (a reentrant checkpoint whose inputs
+        do not require grad has no node in the graph: its parameters are cut off, and
+        ``trace=`` says so).
+
+    >>> model = nn.ModuleDict({"body": nn.Linear(3, 3), "unused": nn.Linear(3, 1)})
+    >>> loss = model["body"](torch.randn(2, 3)).sum()
+    >>> list(cut_off_parameters(loss, model).parameters)
+    ['unused.weight', 'unused.bias']
+    >>> cut_off_parameters(loss, model, expected_unused="unused").clean
+    True
+    """
+    return _cut_off(losses, model, expected_unused, trace, "cut_off_parameters()")
+
+
+def assert_reached(
+    losses: Losses | Mapping[str, torch.Tensor],
+    model: nn.Module,
+    *,
+    expected_unused: Selector | Sequence[Selector] = (),
+    trace: ForwardTrace | None = None,
+    allow_unseen: bool = False,
+) -> None:
+    """Raise unless every trainable parameter of ``model`` is reached by some loss.
+
+    Args:
+        losses: as in :func:`cut_off_parameters`.
+        model: as in :func:`cut_off_parameters`.
+        expected_unused: as in :func:`cut_off_parameters`.
+        trace: as in :func:`cut_off_parameters`.
+        allow_unseen: pass when the graph holds a reentrant checkpoint that reaches the
+            loss, to check everything the walk can see and accept what it cannot.
+
+    Raises:
+        CutOffError: trainable parameters get no gradient from any loss; the message names
+            each one with its reason and the fix.
+        BlindSpotError: nothing is provably cut off, but some parameters cannot be seen
+            (a reentrant checkpoint in the graph): the check refuses rather than guess.
+        IsolationTypeError: an argument has the wrong type.
+        SelectorError: an ``expected_unused`` selector matches no parameter.
+
+    >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    >>> x = torch.randn(2, 3)
+    >>> assert_reached(model(x).sum(), model)
+    >>> assert_reached(model[1](model[0](x).detach()).sum(), model)
+    Traceback (most recent call last):
+    ...
+    isolate.errors.CutOffError: assert_reached(): 2 of 4 trainable parameters get no gradient ...
+    """
+    __tracebackhide__ = True
+    caller = "assert_reached()"
+    result = _cut_off(losses, model, expected_unused, trace, caller)
+    if result.parameters:
+        raise CutOffError(
+            f"{caller}: {result}\nFix: connect them to the loss, freeze them "
+            f"(isolate.freeze) if they are not meant to learn, or declare them with "
+            f"expected_unused= if they are unused on this step by design"
+        )
+    if result.unseen and not allow_unseen:
+        raise BlindSpotError(
+            f"{caller}: cannot tell whether {len(result.unseen)} of {result.trainable} "
+            f"trainable parameters are reached: {', '.join(result.unseen)}; the graph holds a "
+            f"reentrant checkpoint (CheckpointFunctionBackward), which re-runs code in "
+            f"backward that the graph does not show. Fix: use "
+            f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or pass "
+            f"allow_unseen=True to accept what the walk cannot see"
+        )
