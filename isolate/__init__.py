@@ -7,8 +7,10 @@ exact undo, and prove that a loss cannot reach what it must not touch.
 from isolate.cloning import Cloned, clone
 from isolate.detaching import Detached, GradientScale, scale_gradient, stop_gradient
 from isolate.drift import Exposure, Snapshot, optimizer_exposure, snapshot
+from isolate.engine import IsolationHandle
 from isolate.errors import (
     BlindSpotError,
+    CheckpointMismatchError,
     CutOffError,
     DriftError,
     GradientLeakError,
@@ -16,8 +18,10 @@ from isolate.errors import (
     IsolationError,
     IsolationTypeError,
     IsolationWarning,
+    RankDivergenceError,
     RestoreError,
     SelectorError,
+    SpecError,
     WrappingError,
 )
 from isolate.freezing import FreezeHandle, Frozen, freeze, frozen, is_frozen, unfreeze, unfrozen
@@ -30,9 +34,11 @@ from isolate.gradients import (
 )
 from isolate.graph import assert_isolated, reachable_parameters
 from isolate.reach import CutOff, ForwardTrace, assert_reached, cut_off_parameters, trace_forward
+from isolate.spec import IsolationSpec, Thaw
 
 __all__ = [
     "BlindSpotError",
+    "CheckpointMismatchError",
     "Cloned",
     "CutOff",
     "CutOffError",
@@ -49,11 +55,16 @@ __all__ = [
     "GroupStats",
     "InplaceModificationError",
     "IsolationError",
+    "IsolationHandle",
+    "IsolationSpec",
     "IsolationTypeError",
     "IsolationWarning",
+    "RankDivergenceError",
     "RestoreError",
     "SelectorError",
     "Snapshot",
+    "SpecError",
+    "Thaw",
     "WrappingError",
     "assert_isolated",
     "assert_reached",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BlindSpotError",
+    "CheckpointMismatchError",
     "CutOffError",
     "DriftError",
     "GradientLeakError",
@@ -16,8 +17,10 @@ __all__ = [
     "IsolationError",
     "IsolationTypeError",
     "IsolationWarning",
+    "RankDivergenceError",
     "RestoreError",
     "SelectorError",
+    "SpecError",
     "WrappingError",
 ]
 
@@ -52,6 +55,18 @@ class GradientLeakError(IsolationError, AssertionError):
 
 class DriftError(IsolationError, AssertionError):
     """Parameters or buffers changed when they were meant to stay fixed."""
+
+
+class SpecError(IsolationError, ValueError):
+    """An isolation spec that cannot work: bad arguments, overlaps, or an optimizer mismatch."""
+
+
+class CheckpointMismatchError(IsolationError, ValueError):
+    """Saved isolation state was written under a different spec, or without one."""
+
+
+class RankDivergenceError(DriftError):
+    """Parameters differ across the processes of a distributed run."""
 
 
 class CutOffError(IsolationError, AssertionError):

@@ -261,7 +261,7 @@ def test_thaw_into_the_chosen_optimizer_under_manual_optimization(tmp_path: Path
 
     # Two optimizers and none holds the trunk: which one gets it must be said.
     model = TwoOptimizerNet()
-    with pytest.raises(SpecError, match=r"in no optimizer and configure_optimizers returned 2"):
+    with pytest.raises(SpecError, match=r"in no optimizer and there are 2 optimizers"):
         trainer(tmp_path / "a", [callback(epoch=1, lr=0.05)]).fit(model, loader())
 
     model = TwoOptimizerNet()
@@ -396,7 +396,7 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], type[Exception], str]] 
         {"freeze": ["trunk"], "thaw": [Thaw("trunk", epoch=1, lr=0.1, optimizer_idx=1)]},
         {},
         SpecError,
-        r"optimizer_idx=1 but configure_optimizers returned 1 optimizer\(s\)",
+        r"optimizer_idx=1 but there are 1 optimizer\(s\)",
     ),
     (
         "frozen parameters in a weight-decay group",

@@ -405,7 +405,7 @@ def test_class_path_in_a_thaw_step_is_refused_unbuilt(
         with pytest.raises(SystemExit) as exit_:
             LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
         assert exit_.value.code == 2
-        assert "isolate.lightning.ThawKeys" in capsys.readouterr().err
+        assert "isolate.spec.ThawKeys" in capsys.readouterr().err
         assert not pwned.exists()  # FileHandler creates its file when constructed
 
 
@@ -422,7 +422,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return next((root / "checkpoints").glob("*.ckpt"))
 
 
-FIX = r"\nFix: resume with the callback arguments of the run that wrote it, or load only"
+FIX = r"\nFix: resume with the spec of the run that wrote it, or load only"
 STEP_THAW = Thaw("trunk.0", step=3, lr=0.05)
 MISMATCHES = [
     pytest.param(

@@ -1,0 +1,215 @@
+"""The checks a spec runs while training: reach, drift, flags, optimizers and ranks.
+
+Each check returns the violations it found as typed errors and never raises by itself; the
+engine decides whether to raise or warn. Tensors are looked up by name at every check, so a
+buffer that something replaced (Lightning's SWA does) is checked by its new values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from isolate.drift import max_abs_diff
+from isolate.errors import DriftError, GradientLeakError, IsolationError
+from isolate.graph import assert_isolated, walk
+from isolate.optimizers import find
+from isolate.plan import Names, Plan, shown
+
+__all__ = ["DriftWatch", "Verification", "check_flags", "check_losses", "check_optimizers"]
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What one :meth:`~isolate.engine.IsolationHandle.verify` checked.
+
+    Attributes:
+        losses: loss name -> how many protected parameters were checked against it.
+        drift: how many frozen parameters and held buffers were compared with their values
+            when frozen.
+        flags: how many frozen parameters were checked to still have ``requires_grad=False``.
+        optimizers: how many optimizers were searched for frozen parameters.
+        ranks: the number of processes compared (1 outside a distributed run).
+        violations: the messages of the violations found (only with ``on_violation="warn"``;
+            with ``"raise"`` the first one is raised).
+    """
+
+    losses: Mapping[str, int] = field(default_factory=dict)
+    drift: int = 0
+    flags: int = 0
+    optimizers: int = 0
+    ranks: int = 1
+    violations: tuple[str, ...] = ()
+
+
+class DriftWatch:
+    """The values of named tensors when watched, compared by name later.
+
+    Copies live in host memory, so a frozen backbone does not cost accelerator memory twice.
+    """
+
+    def __init__(self, model: nn.Module, params: Sequence[str], buffers: Sequence[str]) -> None:
+        names = Names.of(model)
+        self.params = list(params)
+        self.buffers = list(buffers)
+        self._saved = {
+            n: t.detach().to("cpu", copy=True)
+            for n, t in [
+                *((n, names.params[n]) for n in self.params),
+                *((n, names.buffers[n]) for n in self.buffers),
+            ]
+        }
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    def changed(self, model: nn.Module) -> dict[str, float]:
+        """Name -> max |Δ| of every watched tensor that moved; ``inf`` when it is gone."""
+        names = Names.of(model)
+        current = {**names.params, **names.buffers}
+        out: dict[str, float] = {}
+        for name, saved in self._saved.items():
+            now = current.get(name)
+            delta = math.inf if now is None else max_abs_diff(saved, now)
+            if not delta <= 0.0:
+                out[name] = delta
+        return out
+
+    def check(self, model: nn.Module, when: str, caller: str) -> list[IsolationError]:
+        moved = self.changed(model)
+        if not moved:
+            return []
+        width = max(len(name) for name in moved)
+        lines = [
+            f"  {name:<{width}}  ({'buffer' if name in self.buffers else 'parameter'}) "
+            f"max|Δ|={d:.3e}"
+            for name, d in list(moved.items())[:8]
+        ]
+        return [
+            DriftError(
+                f"{caller}: frozen tensors moved ({when}): {shown(moved)}\n" + "\n".join(lines)
+            )
+        ]
+
+
+def check_flags(frozen: Mapping[str, nn.Parameter], when: str, caller: str) -> list[IsolationError]:
+    unfrozen = [n for n, p in frozen.items() if p.requires_grad]
+    if not unfrozen:
+        return []
+    return [
+        DriftError(
+            f"{caller}: {when}, {len(unfrozen)} frozen parameters require grad again: "
+            f"{shown(unfrozen)}; something other than the spec unfroze them (another "
+            f"finetuning callback, or model code). Thaw them with a Thaw step instead"
+        )
+    ]
+
+
+def check_optimizers(
+    frozen: Mapping[str, nn.Parameter],
+    optimizers: Sequence[torch.optim.Optimizer],
+    when: str,
+    caller: str,
+) -> list[IsolationError]:
+    from isolate.drift import optimizer_exposure
+
+    ids = {id(p): n for n, p in frozen.items()}
+    exposed: list[str] = []
+    for oi, opt in enumerate(optimizers):
+        slots = {(s.group, id(s.param)) for s in find(ids, [opt])}
+        if not slots:
+            continue
+        for e in optimizer_exposure(opt):
+            p = opt.param_groups[e.group]["params"][e.index]
+            if (e.group, id(p)) in slots and e.at_risk:
+                exposed.append(
+                    f"{ids[id(p)]} (optimizer {oi}, group {e.group}: {'; '.join(e.reasons)})"
+                )
+    if not exposed:
+        return []
+    return [
+        DriftError(
+            f"{caller}: {when}, frozen parameters are back in an optimizer that can move them: "
+            f"{shown(exposed)}; something added them after the spec was applied. Thaw them "
+            f"with a Thaw step instead"
+        )
+    ]
+
+
+def check_losses(
+    plan: Plan,
+    frozen: Mapping[str, nn.Parameter],
+    losses: Mapping[str, torch.Tensor],
+    branch_inputs: Mapping[str, Sequence[torch.Tensor]],
+    when: str,
+    caller: str,
+) -> tuple[dict[str, int], list[IsolationError]]:
+    """Check that each named loss reaches no protected parameter.
+
+    Protected are the frozen parameters, and ``protect[loss]`` where given, else everything
+    upstream of the inputs the ``detach`` branches received.
+    """
+    names = Names.of(plan.model)
+    upstream: dict[str, nn.Parameter] = {}
+    if plan.protect is None:
+        inputs = [t for ts in branch_inputs.values() for t in ts]
+        if inputs:
+            leaves = walk(inputs, caller).leaves
+            upstream = {n: p for n, p in names.params.items() if id(p) in leaves}
+    counts: dict[str, int] = {}
+    violations: list[IsolationError] = []
+    for loss_name, loss in losses.items():
+        reached = walk([loss], caller).leaves
+        violations += _bypassed(plan, names, branch_inputs, loss_name, reached, when, caller)
+        protected = dict(frozen)
+        protected.update(upstream if plan.protect is None else plan.protect.get(loss_name, {}))
+        counts[loss_name] = len(protected)
+        leaked = {n: p for n, p in protected.items() if id(p) in reached}
+        if not leaked:
+            continue
+        try:
+            assert_isolated(loss, leaked)
+        except GradientLeakError as error:
+            why = (
+                f"protect[{loss_name!r}]"
+                if plan.protect is not None and loss_name in plan.protect
+                else "frozen, or upstream of a detach branch"
+            )
+            violations.append(
+                GradientLeakError(
+                    f"{caller}: {when}, loss {loss_name!r} reaches {len(leaked)} protected "
+                    f"parameters ({why}) {shown(leaked)}:\n{error}"
+                )
+            )
+    return counts, violations
+
+
+def _bypassed(
+    plan: Plan,
+    names: Names,
+    branch_inputs: Mapping[str, Sequence[torch.Tensor]],
+    loss_name: str,
+    reached: Mapping[int, torch.Tensor],
+    when: str,
+    caller: str,
+) -> list[IsolationError]:
+    out: list[IsolationError] = []
+    for w in plan.wraps:
+        if w.kind != "detach" or w.name in branch_inputs:
+            continue
+        inside = [names.name(p) for p in w.child.parameters() if id(p) in reached]
+        if inside:
+            out.append(
+                GradientLeakError(
+                    f"{caller}: {when}, loss {loss_name!r} reaches the parameters of the detach "
+                    f"branch {w.name!r} {shown(inside)}, but its Detached wrapper did not run "
+                    f"with inputs that require grad: the forward calls the branch some other "
+                    f"way (an alias, or model.{w.name}.module(...)), so its inputs are not "
+                    f"detached. Call the branch as model.{w.name}(...)"
+                )
+            )
+    return out

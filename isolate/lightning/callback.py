@@ -1,0 +1,436 @@
+"""The Lightning adapter: each hook drives the core :class:`~isolate.engine.IsolationHandle`."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from isolate.engine import IsolationHandle
+from isolate.errors import (
+    CheckpointMismatchError,
+    IsolationError,
+    IsolationTypeError,
+    IsolationWarning,
+    SpecError,
+)
+from isolate.lightning.ddp import check_trainer, rewrap
+from isolate.lightning.metrics import grad_norms
+from isolate.spec import IsolationSpec, Thaw, ThawKeys
+
+__all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
+
+LOSSES_ATTRIBUTE = "isolation_losses"
+"""The attribute of the LightningModule where ``training_step`` leaves its named losses."""
+
+_CALLER = "IsolationCallback"
+_DEFAULTS: dict[str, Any] = {
+    "freeze": None,
+    "detach": None,
+    "clone": None,
+    "bn": "eval",
+    "thaw": None,
+    "protect": None,
+    "frozen_in_optimizer": "remove",
+}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, IsolationWarning, stacklevel=2)
+
+
+class IsolationCallback(Callback):
+    """Freeze, detach, clone and thaw by name, and check while training that isolation holds.
+
+    A thin adapter over :class:`isolate.IsolationSpec`: ``setup("fit")`` applies the spec
+    (before ``configure_optimizers`` and before DDP wraps the model), ``on_fit_start``
+    attaches the optimizers (frozen parameters out, thaw groups planned), every training
+    batch runs the thaw schedule, and every ``verify_every_n_steps`` optimizer steps the
+    handle's :meth:`~isolate.engine.IsolationHandle.verify` checks reach, drift, flags,
+    optimizers and ranks. ``teardown`` and ``on_exception`` undo everything.
+
+    What it adds to the engine: a thaw under DDP wraps the model again (the new wrapper
+    broadcasts rank 0's state) and checks after the next step that ranks agree; gradient norms
+    per group go to the trainer's loggers as ``isolation/grad_norm/<group>``; the spec's state
+    goes into checkpoints (plain types, by parameter name), and a resume thaws what was thawed
+    before DDP wraps the model.
+
+    **Naming losses.** ``training_step`` leaves the losses to check in
+    ``self.isolation_losses``, a dict of name -> loss tensor, set every step (holding
+    references costs nothing); the callback reads it in ``on_before_backward``, while the
+    graph is alive, and clears it. Each named loss must not reach the parameters
+    ``protect[name]`` selects; without ``protect``, each must reach no parameter upstream
+    of a ``detach`` branch. No named loss may reach a frozen parameter.
+
+    Args:
+        spec: the :class:`~isolate.IsolationSpec`; or give its keywords instead.
+        freeze, detach, clone, bn, thaw, protect, frozen_in_optimizer: the keywords of
+            :class:`~isolate.IsolationSpec` (``thaw`` items may be :class:`ThawKeys` mappings).
+        verify_every_n_steps: how often to check, in optimizer steps (step 0 included);
+            ``0`` turns the periodic checks and gradient-norm logging off.
+        on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` with an
+            :class:`~isolate.IsolationWarning` and carry on.
+        log_grad_norms: whether to log gradient norms per group at each check.
+
+    Raises:
+        SpecError: (at construction) an argument has the wrong type or value; (at setup and
+            fit start) the spec does not fit the model or the optimizers. Nothing is left
+            changed.
+        SelectorError: a selector matches nothing, or a ``detach`` / ``clone`` name is not a
+            submodule.
+        CheckpointMismatchError: resuming from a checkpoint written under another spec. The
+            isolation is undone, but the weights are the checkpoint's by then: Lightning loads
+            the model's state before any callback sees the checkpoint.
+        GradientLeakError, DriftError, RankDivergenceError: a violation during training
+            (``on_violation="raise"``).
+
+    Note:
+        Traps it handles, and the ones it cannot:
+
+        * BatchNorm running statistics ignore ``requires_grad``, and Lightning calls
+          ``model.train()`` every epoch and resets ``training`` flags after validation by
+          assignment; ``bn="eval"`` enforces eval mode in a forward pre-hook instead (so
+          Lightning's "Found N module(s) in eval mode" warning at fit start is expected).
+        * Optimizers move parameters whose ``.grad`` is a zero tensor (weight decay,
+          momentum): frozen parameters are taken out of the optimizers, and a thawed group
+          is added by identity, exactly once (Lightning's ``BaseFinetuning`` compares values,
+          so it skips a parameter equal to one already there).
+        * DDP synchronises only the parameters that required grad when it was built; a thaw
+          under DDP wraps the model again. ``sync_batchnorm=True`` replaces BatchNorm layers
+          after setup, which would drop the eval-mode hold: with ``bn="eval"`` and frozen
+          BatchNorm layers it is refused at fit start.
+        * Global-norm gradient clipping (``gradient_clip_val``) couples detached branches to
+          the rest: their gradient enters the clipping factor (warned about at fit start).
+        * A submodule reached by another reference (an alias attribute, ``self.aux.module``)
+          bypasses the wrapper: aliases registered on the model are refused, and a named
+          loss that reaches a ``detach`` branch whose wrapper did not run is a violation.
+        * LR schedulers learn of a new group only through ``base_lrs`` (appended); those
+          with other per-group state (``LambdaLR``'s lambdas, ``OneCycleLR``) do not schedule
+          it.
+        * One ``IsolationCallback`` per Trainer: its checkpoint state has a fixed key.
+        * A resume repeats the uninterrupted run bit for bit only if the checkpoint holds all
+          its state, and Lightning's holds neither the global RNG (dropout) nor a plain
+          DataLoader's position: mid-epoch, Lightning iterates the loader from its start
+          again. Give the train loader ``state_dict`` / ``load_state_dict`` and checkpoint
+          the RNG, or resume from epoch ends.
+
+    >>> callback = IsolationCallback(
+    ...     freeze=["trunk"], detach=["probe"], thaw=[Thaw("trunk", epoch=2, lr=1e-3)]
+    ... )
+    >>> callback
+    IsolationCallback(freeze=['trunk'], detach=['probe'], thaw=[trunk at epoch 2, lr=0.001])
+    >>> IsolationCallback(verify_every_n_steps=-1)
+    Traceback (most recent call last):
+    ...
+    isolate.errors.SpecError: IsolationCallback: verify_every_n_steps must be an integer >= 0 ...
+    """
+
+    def __init__(
+        self,
+        *,
+        spec: IsolationSpec | None = None,
+        freeze: list[str] | None = None,
+        detach: list[str] | None = None,
+        clone: list[str] | None = None,
+        bn: Literal["eval", "train"] = "eval",
+        thaw: list[Thaw | ThawKeys] | None = None,
+        protect: dict[str, list[str]] | None = None,
+        frozen_in_optimizer: Literal["remove", "error"] = "remove",
+        verify_every_n_steps: int = 50,
+        on_violation: Literal["raise", "warn"] = "raise",
+        log_grad_norms: bool = True,
+    ) -> None:
+        super().__init__()
+        keywords = {
+            k: v
+            for k, v in {
+                "freeze": freeze,
+                "detach": detach,
+                "clone": clone,
+                "bn": bn,
+                "thaw": thaw,
+                "protect": protect,
+                "frozen_in_optimizer": frozen_in_optimizer,
+            }.items()
+            if v != _DEFAULTS[k]
+        }
+        self.spec = self._spec(spec, keywords)
+        if (
+            isinstance(verify_every_n_steps, bool)
+            or not isinstance(verify_every_n_steps, int)
+            or (verify_every_n_steps < 0)
+        ):
+            raise SpecError(
+                f"{_CALLER}: verify_every_n_steps must be an integer >= 0 (0 turns checks off), "
+                f"got {verify_every_n_steps!r}"
+            )
+        if on_violation not in ("raise", "warn"):
+            raise SpecError(
+                f"{_CALLER}: on_violation must be 'raise' or 'warn', got {on_violation!r}"
+            )
+        self.verify_every_n_steps = verify_every_n_steps
+        self.on_violation: Literal["raise", "warn"] = on_violation
+        self.log_grad_norms = bool(log_grad_norms)
+        self.handle: IsolationHandle | None = None
+        self._last_state: dict[str, Any] = {}
+        self._modes: list[tuple[nn.Module, bool]] = []
+        self._verify_now = False
+        self._verify_step = -1
+        self._losses_seen = False
+        self._pending_rank_check: str | None = None
+
+    @staticmethod
+    def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
+        if spec is not None:
+            if not isinstance(spec, IsolationSpec):
+                raise SpecError(
+                    f"{_CALLER}: spec must be an isolate.IsolationSpec, got {type(spec).__name__}"
+                    f"; for a mapping use IsolationSpec.from_dict(...)"
+                )
+            if keywords:
+                raise SpecError(
+                    f"{_CALLER}: give spec= or the spec's keywords {sorted(keywords)}, not both"
+                )
+            return spec
+        try:
+            return IsolationSpec(**keywords)
+        except SpecError as error:  # name what the user called
+            message = str(error).replace("IsolationSpec:", f"{_CALLER}:", 1)
+            raise SpecError(message) from None
+
+    freeze = property(lambda self: self.spec.freeze, doc="The spec's ``freeze`` selectors.")
+    detach = property(lambda self: self.spec.detach, doc="The spec's ``detach`` branches.")
+    clone = property(lambda self: self.spec.clone, doc="The spec's ``clone`` branches.")
+    bn = property(lambda self: self.spec.bn, doc="The spec's BatchNorm policy.")
+    thaw = property(lambda self: self.spec.thaw, doc="The spec's thaw schedule.")
+    protect = property(lambda self: self.spec.protect, doc="The spec's ``protect`` mapping.")
+
+    def __repr__(self) -> str:
+        return repr(self.spec).replace(type(self.spec).__name__, _CALLER, 1)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Validate the spec against the model, then freeze and wrap (``fit`` only)."""
+        if stage != "fit":
+            return
+        self._restore()  # a fit that ended without teardown
+        check_trainer(trainer, self, _CALLER)
+        self._modes = [(m, m.training) for m in pl_module.modules()]
+        self.handle = IsolationHandle.apply(self.spec, pl_module, caller=_CALLER, warn=_warn)
+
+    def _restore(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None and handle.active:
+            # The optimizers stay as they are: a checkpoint saved after an error must hold the
+            # param groups thawed so far, and they are not used after fit.
+            handle.restore(optimizers=False)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Put back the submodules and every flag and mode as they were before ``fit``."""
+        if stage == "fit" and self.handle is not None:
+            self._last_state = self.handle.state_dict()
+            self._restore()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Undo everything, as in ``teardown`` (Lightning does not call it after an error), and
+        put back every module's ``training`` flag as it was at setup.
+
+        :meth:`state_dict` goes on returning the state at the error: checkpoint callbacks run
+        their ``on_exception`` after this one (Lightning orders them last).
+        """
+        if self.handle is None:
+            return
+        self._last_state = self.handle.state_dict()
+        self._restore()
+        for module, training in self._modes:
+            module.training = training
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Take frozen parameters out of the optimizers and plan where thawed ones go."""
+        if self.handle is None:
+            return
+        try:
+            self.handle.attach(
+                trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs]
+            )
+        except IsolationError:
+            self._restore()
+            raise
+        self._warn_on_norm_clipping(trainer)
+        self._check(("ranks",), "at fit start")
+
+    def _warn_on_norm_clipping(self, trainer: pl.Trainer) -> None:
+        # The clip factor is computed from the norm of *all* gradients, so a detached
+        # branch's gradient rescales the trunk's: the branch leaks into the trunk's update.
+        algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
+        if self.spec.detach and trainer.gradient_clip_val and algorithm.endswith("norm"):
+            rank_zero_warn(
+                f"{_CALLER}: gradient_clip_val={trainer.gradient_clip_val} clips by the global "
+                f"norm, which includes the gradients of the detached branches "
+                f"{list(self.spec.detach)}: their gradient changes the factor applied to every "
+                f"other parameter, so isolation does not hold for the update. Clip per group "
+                f"instead (override configure_gradient_clipping), or use "
+                f"gradient_clip_algorithm='value'",
+                category=IsolationWarning,
+            )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Thaw the groups due at this epoch."""
+        self._advance(trainer, record=False)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Thaw the groups due, and arm the checks of this step."""
+        if self.handle is None:
+            return
+        n = self.verify_every_n_steps
+        self._verify_now = bool(n) and trainer.global_step % n == 0
+        if self._verify_now and self._verify_step != trainer.global_step:
+            self._verify_step = trainer.global_step
+            self._losses_seen = False
+        # Also thaws by epoch: Lightning skips on_train_epoch_start for the first epoch of a
+        # fit resumed from a checkpoint written after the last batch of the epoch before.
+        self._advance(trainer, record=self._verify_now)
+
+    def _advance(self, trainer: pl.Trainer, *, record: bool) -> None:
+        handle = self.handle
+        if handle is None:
+            return
+        epoch, step = trainer.current_epoch, trainer.global_step
+        due = handle.due(epoch=epoch, step=step)
+        when = f"epoch {epoch}, step {step}"
+        if due:
+            self._check(("drift",), f"before thawing {due} ({when})")
+        handle.step(epoch=epoch, step=step, record=record)
+        if not due:
+            return
+        rewrapped = rewrap(trainer, _CALLER)
+        self._pending_rank_check = f"after thawing {due} ({when})"
+        for name in due:
+            g = handle.plan.group(name)
+            rank_zero_info(
+                f"{_CALLER}: thawed {name!r} ({len(g.params)} parameters) at {when}"
+                + ("; DDP wrapper rebuilt so its gradients are synchronised" if rewrapped else "")
+            )
+
+    def _check(self, checks: tuple[str, ...], when: str, losses: Any = None) -> None:
+        if self.handle is not None:
+            self.handle.verify(losses, checks=checks, on_violation=self.on_violation, when=when)
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        """Check the named losses while their graph is alive (a walk, no backward)."""
+        if self.handle is None:
+            return
+        losses = getattr(pl_module, LOSSES_ATTRIBUTE, None)
+        if losses is not None:
+            setattr(pl_module, LOSSES_ATTRIBUTE, {})
+        if not self._verify_now or not losses:
+            return
+        if not isinstance(losses, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items()
+        ):
+            raise IsolationTypeError(
+                f"{_CALLER}: {type(pl_module).__name__}.{LOSSES_ATTRIBUTE} must be a dict of "
+                f"loss name -> loss tensor, got {losses!r}"
+            )
+        self._losses_seen = True
+        missing = sorted(set(self.spec.protect or {}) - set(losses))
+        if missing:
+            raise SpecError(
+                f"{_CALLER}: protect names the losses {missing}, but "
+                f"{type(pl_module).__name__}.training_step set {LOSSES_ATTRIBUTE} with "
+                f"{sorted(losses)}; set self.{LOSSES_ATTRIBUTE} = {{'name': loss, ...}} in "
+                f"training_step, with the names used in protect"
+            )
+        self._check(("losses",), f"at step {trainer.global_step}", losses)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Log gradient norms per group at check steps."""
+        if self.handle is None or not self._verify_now or not self.log_grad_norms:
+            return
+        if trainer.loggers:
+            metrics = grad_norms(self.handle)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Check drift, flags, optimizers and ranks at check steps, and ranks after a thaw."""
+        if self.handle is None:
+            return
+        if self._verify_now:
+            step = self._verify_step
+            if self.spec.protect and not self._losses_seen:
+                raise SpecError(
+                    f"{_CALLER}: protect names the losses {sorted(self.spec.protect)}, but "
+                    f"{type(pl_module).__name__}.training_step did not set "
+                    f"self.{LOSSES_ATTRIBUTE} at step {step}; set it to a dict "
+                    f"{{'loss name': loss_tensor}} in every training_step"
+                )
+            self._check(("drift", "flags", "optimizers", "ranks"), f"at step {step}")
+            self._pending_rank_check = None
+        elif self._pending_rank_check is not None:
+            self._check(("ranks",), self._pending_rank_check)
+            self._pending_rank_check = None
+        self._verify_now = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A last check of drift and ranks."""
+        self._check(("drift", "ranks"), "at the end of training")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The spec, what is frozen now and when each group was thawed, by parameter name."""
+        if self.handle is None:
+            return dict(self._last_state)
+        return self.handle.state_dict()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Refuse a checkpoint that holds no state of this callback."""
+        if self.handle is None:
+            return
+        if self.state_key not in (checkpoint.get("callbacks") or {}):
+            raise CheckpointMismatchError(
+                f"{_CALLER}: the checkpoint holds no {_CALLER} state: it was written without "
+                f"this callback, so it is unknown what was frozen or thawed. To start a new "
+                f"isolation schedule from its weights, load them with "
+                f"model.load_state_dict(torch.load(path, weights_only=True)['state_dict']) and "
+                f"call fit() without ckpt_path"
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check the checkpoint's spec against this one, then thaw what it had thawed.
+
+        Runs before DDP wraps the model, so thawed groups are synchronised from the start;
+        groups thawed in the checkpoint are not frozen again.
+
+        Raises:
+            CheckpointMismatchError: the checkpoint was written under another spec.
+        """
+        if self.handle is None:
+            self._last_state = dict(state_dict)
+            return
+        try:
+            self.handle.load_state_dict(state_dict)
+        except IsolationError:
+            self._restore()
+            raise

@@ -1,0 +1,40 @@
+"""Gradient norms per isolation group, for the trainer's loggers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from isolate.engine import IsolationHandle
+
+__all__ = ["grad_norms"]
+
+
+def grad_norms(handle: IsolationHandle, prefix: str = "isolation/grad_norm/") -> dict[str, float]:
+    """The L2 norm of ``.grad`` per group: each ``detach`` / ``clone`` branch, each thawed
+    group, ``rest`` (every other trainable parameter) and ``total``; 0.0 where no grad."""
+    plan = handle.plan
+    groups: dict[str, list[nn.Parameter]] = {w.name: list(w.child.parameters()) for w in plan.wraps}
+    for name in handle.thawed:
+        groups[name] = list(plan.group(name).params.values())
+    placed = {id(p) for ps in groups.values() for p in ps}
+    unique = {id(p): p for p in plan.model.parameters()}
+    groups["rest"] = [p for i, p in unique.items() if i not in placed and p.requires_grad]
+    groups["total"] = [p for p in unique.values() if p.requires_grad]
+    metrics: dict[str, float] = {}
+    for name, params in groups.items():
+        grads = [
+            g.coalesce().values() if g.is_sparse else g
+            for g in (
+                p.grad.detach() for p in {id(p): p for p in params}.values() if p.grad is not None
+            )
+        ]
+        norm = 0.0
+        if grads:
+            norm = float(
+                torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
+                )
+            )
+        metrics[prefix + name] = norm
+    return metrics

@@ -1,0 +1,230 @@
+"""Optimizer surgery for a spec: frozen parameters out, thawed groups in, by identity, once.
+
+An optimizer moves a parameter whose ``.grad`` is a zero tensor (weight decay, momentum), so
+frozen parameters are taken out of the optimizers; a thawed group joins its optimizer as one
+new param group, with the settings of the group its parameters came from (or a given lr).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+from isolate.errors import IsolationTypeError, SpecError
+from isolate.plan import Group, Plan, shown
+
+__all__ = ["Optimizers", "Placement", "Slot", "add_group", "as_optimizers", "place", "take_out"]
+
+Optimizers: TypeAlias = "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None"
+"""One optimizer, several, or none."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter sits: optimizer ``opt``, param group ``group``."""
+
+    opt: int
+    group: int
+    param: nn.Parameter
+
+
+@dataclass
+class Placement:
+    """Which optimizer a thaw group joins, with which param-group settings."""
+
+    optimizer_idx: int
+    options: dict[str, Any]
+
+
+def as_optimizers(obj: object, caller: str) -> list[torch.optim.Optimizer]:
+    """A list of torch optimizers; wrappers with an ``.optimizer`` (Lightning, Fabric) are
+    looked through, since they share the wrapped optimizer's param groups."""
+    if obj is None:
+        return []
+    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    out = []
+    for item in items:
+        inner = getattr(item, "optimizer", item)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise IsolationTypeError(
+                f"{caller}: optimizer must be a torch.optim.Optimizer (or a list of them), got "
+                f"{type(item).__name__}"
+            )
+        out.append(inner)
+    return out
+
+
+def risk(group: Mapping[str, Any]) -> str:
+    """What in a param group can move a parameter whose gradient is zero."""
+    risks = []
+    if group.get("weight_decay"):
+        risks.append(f"weight_decay={group['weight_decay']}")
+    if group.get("momentum"):
+        risks.append(f"momentum={group['momentum']}")
+    if "betas" in group:
+        risks.append(f"betas={tuple(group['betas'])}")
+    return ", ".join(risks) if risks else "no weight decay or momentum"
+
+
+def find(ids: Mapping[int, str], optimizers: Sequence[torch.optim.Optimizer]) -> list[Slot]:
+    """Every slot of the optimizers that holds one of the parameters in ``ids``."""
+    return [
+        Slot(oi, gi, p)
+        for oi, opt in enumerate(optimizers)
+        for gi, group in enumerate(opt.param_groups)
+        for p in group["params"]
+        if id(p) in ids
+    ]
+
+
+def place(
+    plan: Plan, optimizers: Sequence[torch.optim.Optimizer], thawed: set[str], caller: str
+) -> tuple[list[Slot], dict[str, Placement]]:
+    """Where the frozen parameters sit, and where each thaw group will go; change nothing.
+
+    ``thawed`` names the groups already thawed (from a checkpoint): their parameters are taken
+    out too, and go back as their own param groups, in the order they were thawed.
+
+    Raises:
+        SpecError: an optimizer holds state for frozen parameters, ``frozen_in_optimizer`` is
+            ``"error"`` and frozen parameters sit in an optimizer, or a thaw group has no
+            unambiguous optimizer or settings.
+    """
+    ours = {id(p): n for n, p in plan.frozen.items()}
+    thawed_ids = {id(p) for g in plan.groups if g.name in thawed for p in g.params.values()}
+    held = find(ours, optimizers)
+    stateful = [ours[id(s.param)] for s in held if optimizers[s.opt].state.get(s.param)]
+    if stateful:
+        raise SpecError(
+            f"{caller}: the optimizer already holds state for frozen parameters "
+            f"{shown(stateful)}; apply the spec before the first optimizer step (or build the "
+            f"optimizer after applying it)"
+        )
+    frozen = [s for s in held if id(s.param) not in thawed_ids]
+    if frozen and plan.spec.frozen_in_optimizer == "error":
+        lines = [
+            f"  {ours[id(s.param)]}: optimizer {s.opt}, param group {s.group} "
+            f"({risk(optimizers[s.opt].param_groups[s.group])})"
+            for s in frozen[:8]
+        ]
+        raise SpecError(
+            f"{caller}: {len(frozen)} frozen parameters sit in an optimizer, where a zero "
+            f"gradient with weight decay or momentum can still move them:\n"
+            + "\n".join(lines)
+            + "\nFix: build the optimizer from trainable parameters only "
+            "([p for p in model.parameters() if p.requires_grad]), or let the spec take them "
+            "out with frozen_in_optimizer='remove'"
+        )
+    origin: dict[int, set[tuple[int, int]]] = {}
+    for s in held:
+        origin.setdefault(id(s.param), set()).add((s.opt, s.group))
+    placements = {g.name: _target(g, optimizers, origin, caller) for g in plan.groups}
+    return held, placements
+
+
+def _target(
+    g: Group,
+    optimizers: Sequence[torch.optim.Optimizer],
+    origin: dict[int, set[tuple[int, int]]],
+    caller: str,
+) -> Placement:
+    where = f"{caller}: thaw group {g.name!r}"
+    slots: set[tuple[int, int]] = set().union(
+        *(origin.get(id(p), set()) for p in g.params.values())
+    )
+    homes = sorted({oi for oi, _ in slots})
+    absent = [n for n, p in g.params.items() if id(p) not in origin]
+    if g.thaw.optimizer_idx is not None:
+        if g.thaw.optimizer_idx >= len(optimizers):
+            raise SpecError(
+                f"{where}: optimizer_idx={g.thaw.optimizer_idx} but there are "
+                f"{len(optimizers)} optimizer(s); its parameters {shown(g.params)} would be in "
+                f"no optimizer once thawed"
+            )
+        target = g.thaw.optimizer_idx
+    elif len(homes) == 1:
+        target = homes[0]
+    elif len(homes) > 1:
+        raise SpecError(
+            f"{where}: its parameters sit in optimizers {homes}; say which one receives them "
+            f"with optimizer_idx="
+        )
+    elif len(optimizers) == 1:
+        target = 0
+    else:
+        raise SpecError(
+            f"{where}: its parameters {shown(g.params)} are in no optimizer and there are "
+            f"{len(optimizers)} optimizers, so once thawed they would be in no optimizer "
+            f"(never learn); set optimizer_idx= in the thaw step"
+            + ("" if optimizers else ", and pass the optimizer")
+        )
+    opt = optimizers[target]
+    sources = sorted({gi for oi, gi in slots if oi == target})
+    options: dict[str, Any] = {}
+    if len(sources) == 1:
+        options = {k: v for k, v in opt.param_groups[sources[0]].items() if k != "params"}
+    if g.thaw.lr is None:
+        if absent or len(sources) != 1:
+            detail = (
+                f"{shown(absent)} are in no optimizer group"
+                if absent
+                else f"come from param groups {sources} of optimizer {target}"
+            )
+            raise SpecError(
+                f"{where}: lr is not set and its parameters {detail}, so there are no settings "
+                f"to give them once thawed; set lr= in the thaw step, or put them in one param "
+                f"group when building the optimizer (the spec takes them out while frozen)"
+            )
+    else:
+        options["lr"] = float(g.thaw.lr)
+    if any("initial_lr" in group for group in opt.param_groups):
+        options["initial_lr"] = options.get("lr", opt.defaults.get("lr"))
+    return Placement(target, options)
+
+
+def take_out(optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Slot]) -> None:
+    """Remove the held parameters from their param groups (groups stay, maybe empty)."""
+    drop = {id(s.param) for s in held}
+    if not drop:
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in drop]
+
+
+def add_group(
+    opt: torch.optim.Optimizer,
+    params: Sequence[nn.Parameter],
+    options: Mapping[str, Any],
+    schedulers: Sequence[Any] = (),
+) -> dict[str, Any]:
+    """Add ``params`` as one new param group and tell the schedulers of ``opt`` about it.
+
+    Schedulers learn of a new group through ``base_lrs``; those with other per-group state
+    (``LambdaLR``'s lambdas, ``OneCycleLR``) do not schedule it.
+
+    Returns:
+        The new param group.
+    """
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    twice = [i for i, p in enumerate(params) if id(p) in held]
+    if twice:
+        raise SpecError(
+            f"add_group(): {len(twice)} of the parameters are already in the optimizer; a "
+            f"parameter must be in one param group only"
+        )
+    opt.add_param_group({"params": list(params), **options})
+    group = opt.param_groups[-1]
+    for scheduler in schedulers:
+        base = getattr(scheduler, "base_lrs", None)
+        if (
+            getattr(scheduler, "optimizer", None) is opt
+            and isinstance(base, list)
+            and len(base) == len(opt.param_groups) - 1
+        ):
+            base.append(options.get("initial_lr", group["lr"]))
+    return group

@@ -1,0 +1,265 @@
+"""A spec resolved against one model: every selector turned into parameters, once.
+
+:func:`resolve` checks the whole :class:`~isolate.spec.IsolationSpec` against a model and
+changes nothing; the :class:`Plan` it returns is what the engine applies, thaws, verifies and
+saves. Parameters are named by their ``state_dict`` keys (no wrapper ``module.`` infix), so
+names stay the same whether or not the model is wrapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from isolate._selectors import describe, is_float, select
+from isolate._wrapping import Wrapper
+from isolate.errors import IsolationTypeError, SelectorError, SpecError, WrappingError
+from isolate.spec import IsolationSpec, Thaw
+
+__all__ = ["Group", "Names", "Plan", "Wrap", "resolve", "shown"]
+
+_SHOW = 8  # how many names a message lists before "... and N more"
+
+
+def shown(names: Iterable[str]) -> str:
+    """``['a', 'b', ... and N more]`` for error messages."""
+    listed = list(names)
+    head = ", ".join(repr(n) for n in listed[:_SHOW])
+    more = f", ... and {len(listed) - _SHOW} more" if len(listed) > _SHOW else ""
+    return f"[{head}{more}]"
+
+
+@dataclass
+class Names:
+    """Every parameter and buffer of a model by its ``state_dict`` key (first alias wins)."""
+
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    of_id: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Names:
+        names = cls()
+        stack: list[tuple[str, nn.Module]] = [("", model)]
+        while stack:
+            prefix, module = stack.pop()
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in names.of_id:
+                    names.params[prefix + name] = p
+                    names.of_id[id(p)] = prefix + name
+            for name, b in module._buffers.items():
+                if b is not None and id(b) not in names.of_id:
+                    names.buffers[prefix + name] = b
+                    names.of_id[id(b)] = prefix + name
+            children = [
+                (
+                    prefix
+                    if isinstance(module, Wrapper) and name == "module"
+                    else f"{prefix}{name}.",
+                    c,
+                )
+                for name, c in module._modules.items()
+                if c is not None
+            ]
+            stack.extend(reversed(children))
+        return names
+
+    def name(self, tensor: torch.Tensor) -> str:
+        return self.of_id.get(id(tensor), f"<tensor of shape {tuple(tensor.shape)}>")
+
+
+@dataclass
+class Wrap:
+    """A ``detach`` / ``clone`` branch: which child of which parent gets which wrapper."""
+
+    kind: Literal["detach", "clone"]
+    name: str
+    parent: nn.Module
+    leaf: str
+    child: nn.Module
+
+
+@dataclass
+class Group:
+    """A thaw step resolved against the model."""
+
+    thaw: Thaw
+    params: dict[str, nn.Parameter]  # state_dict key -> parameter, model order
+    norms: dict[str, _BatchNorm]
+
+    @property
+    def name(self) -> str:
+        return str(self.thaw.name)
+
+
+@dataclass
+class Plan:
+    """What a spec means for one model; nothing in the model has changed yet."""
+
+    spec: IsolationSpec
+    model: nn.Module
+    names: Names
+    frozen: dict[str, nn.Parameter]
+    norms: dict[str, _BatchNorm]
+    wraps: list[Wrap]
+    groups: list[Group]
+    protect: dict[str, dict[str, nn.Parameter]] | None
+
+    def group(self, name: str) -> Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise SpecError(
+            f"IsolationHandle: no thaw group {name!r}; the groups are {self.group_names}"
+        )
+
+    @property
+    def group_names(self) -> list[str]:
+        return [g.name for g in self.groups]
+
+    def held_buffers(self) -> list[str]:
+        """Names of the buffers of the BatchNorm layers ``bn="eval"`` holds."""
+        if self.spec.bn != "eval":
+            return []
+        return sorted(
+            self.names.of_id[id(b)]
+            for m in self.norms.values()
+            for b in m.buffers(recurse=False)
+            if id(b) in self.names.of_id
+        )
+
+    def record(self) -> dict[str, Any]:
+        """The resolved spec as plain data: what a checkpoint is checked against."""
+        return {
+            "freeze": list(self.frozen),
+            "bn": self.spec.bn,
+            "bn_held": self.held_buffers(),
+            "detach": list(self.spec.detach),
+            "clone": list(self.spec.clone),
+            "thaw": [
+                {
+                    "name": g.name,
+                    "params": list(g.params),
+                    "epoch": g.thaw.epoch,
+                    "step": g.thaw.step,
+                    "lr": g.thaw.lr,
+                    "optimizer_idx": g.thaw.optimizer_idx,
+                    "bn": g.thaw.bn,
+                }
+                for g in self.groups
+            ],
+        }
+
+
+def resolve(spec: IsolationSpec, model: nn.Module, caller: str = "IsolationSpec") -> Plan:
+    """Resolve every selector of ``spec`` against ``model`` once; change nothing.
+
+    Raises:
+        IsolationTypeError: ``model`` is not a module.
+        SelectorError: a selector matches nothing, or a branch is not a submodule.
+        SpecError, WrappingError: the spec cannot work on this model (a thaw group that is not
+            frozen, two groups that overlap, a branch already wrapped or registered twice).
+    """
+    if not isinstance(model, nn.Module):
+        raise IsolationTypeError(
+            f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    names = Names.of(model)
+    frozen: dict[str, nn.Parameter] = {}
+    norms: dict[str, _BatchNorm] = {}
+    if spec.freeze:
+        selection = select(model, spec.freeze, f"{caller}(freeze)")
+        frozen = {names.of_id[id(p)]: p for p in selection.params.values()}
+        norms = dict(selection.norms)
+    wraps = _wraps(spec, model, caller)
+    groups = _groups(spec, model, names, frozen, caller)
+    protect: dict[str, dict[str, nn.Parameter]] | None = None
+    if spec.protect is not None:
+        protect = {}
+        for loss, selectors in spec.protect.items():
+            chosen = select(model, selectors, f"{caller}(protect[{loss!r}])")
+            protect[loss] = {names.of_id[id(p)]: p for p in chosen.params.values()}
+    return Plan(spec, model, names, frozen, norms, wraps, groups, protect)
+
+
+def _wraps(spec: IsolationSpec, model: nn.Module, caller: str) -> list[Wrap]:
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(name)
+    wraps: list[Wrap] = []
+    kinds: list[tuple[Literal["detach", "clone"], str]] = [
+        *(("detach", n) for n in spec.detach),
+        *(("clone", n) for n in spec.clone),
+    ]
+    for kind, name in kinds:
+        where = f"{caller}({kind})"
+        try:
+            child = model.get_submodule(name)
+        except AttributeError:
+            raise SelectorError(
+                f"{where}: {name!r} is not a submodule of {describe(model)}; name a "
+                f"submodule with its dotted path, e.g. 'heads.aux'"
+            ) from None
+        if child is model:
+            raise SpecError(f"{where}: {name!r} names the model itself; name a submodule")
+        if isinstance(child, Wrapper):
+            raise WrappingError(
+                f"{where}: {name!r} is already a {type(child).__name__}; drop it from "
+                f"{kind}, or unwrap it in the model code"
+            )
+        registered = aliases.get(id(child), [])
+        if len(registered) > 1:
+            raise WrappingError(
+                f"{where}: {name!r} is registered under {len(registered)} names {registered}; "
+                f"only one of them can be replaced, and calls through the others would bypass "
+                f"the wrapper. Keep a single attribute for the branch"
+            )
+        parent_name, _, leaf = name.rpartition(".")
+        wraps.append(Wrap(kind, name, model.get_submodule(parent_name), leaf, child))
+    return wraps
+
+
+def _groups(
+    spec: IsolationSpec,
+    model: nn.Module,
+    names: Names,
+    frozen: dict[str, nn.Parameter],
+    caller: str,
+) -> list[Group]:
+    groups: list[Group] = []
+    frozen_ids = {id(p) for p in frozen.values()}
+    owner: dict[int, str] = {}
+    for thaw in spec.thaw:
+        name = str(thaw.name)
+        selection = select(model, thaw.selectors, f"{caller}(thaw {name!r})")
+        params = {names.of_id[id(p)]: p for p in selection.params.values()}
+        outside = [n for n, p in params.items() if id(p) not in frozen_ids]
+        if outside:
+            raise SpecError(
+                f"{caller}: thaw group {name!r} selects {len(outside)} parameters that "
+                f"freeze does not freeze: {shown(outside)}; thawing them would do nothing and "
+                f"add them to the optimizer twice. Add them to freeze, or narrow the thaw "
+                f"selectors"
+            )
+        twice = [n for n, p in params.items() if id(p) in owner]
+        if twice:
+            first = owner[id(params[twice[0]])]
+            raise SpecError(
+                f"{caller}: thaw groups {first!r} and {name!r} both select {shown(twice)}; a "
+                f"parameter can be thawed once: split the selectors"
+            )
+        integral = [n for n, p in params.items() if not is_float(p)]
+        if integral:
+            raise SpecError(
+                f"{caller}: thaw group {name!r} selects parameters {shown(integral)} that are "
+                f"not floating point and can never require grad; leave them out"
+            )
+        for p in params.values():
+            owner[id(p)] = name
+        groups.append(Group(thaw, params, dict(selection.norms)))
+    return groups
