@@ -18,10 +18,11 @@ Where the data come from: for each file, the first of
 **Nothing is ever written into the data root or the system folder**: they belong to whoever
 made them (``../shared/data`` is shared by every checkout). Everything this module writes goes
 under ``cache_dir``, by default ``$XDG_CACHE_HOME/isolate`` or ``~/.cache/isolate``: downloads,
-and a decompressed copy of each verified ``.gz``, since torchvision's readers read only
-decompressed files. A verified copy stands in for its ``.gz`` in later runs (reports still name
-the ``.gz``); a cached copy that fails its checksum is made again. Files are written under a
-temporary name and renamed, so parallel runs (DDP ranks, the suite) never see half a file.
+and a decompressed copy of each ``.gz`` whose md5 is torchvision's, since torchvision's readers
+read only decompressed files. Later runs check the ``.gz`` and read the copy in its place
+(reports still name the ``.gz``); a cached copy that fails its checksum is made again. Files are
+written under a temporary name and renamed, so parallel runs (DDP ranks, the suite) never see
+half a file.
 
 Before searching, ``prepare_data`` downloads the files of the official split that are on disk
 nowhere (see ``download``), from torchvision's mirrors into ``cache_dir``. Every file is checked
@@ -509,18 +510,22 @@ class MNISTDataModule(pl.LightningDataModule):
             yield origin
             return
         cached = self._cache_raw / name
-        if self.verify_md5 and cached.is_file():
+        gz_md5 = _resources(self._spec.folder)[f"{name}.gz"]
+        official_gz = self.verify_md5 and check_integrity(origin, gz_md5)
+        if official_gz and cached.is_file():
+            # The .gz is checked at every run (milliseconds), so the cached copy never vouches for
+            # a .gz that was damaged after it was made.
             if check_integrity(cached, raw_md5):
                 yield cached
                 return
             log.warning("%s fails its md5 check; decompressing %s again", cached, origin)
         with tempfile.TemporaryDirectory(prefix="isolate-") as tmp:
             path = self._extract(origin, Path(tmp))
-            if self.verify_md5:
-                gz_md5 = _resources(self._spec.folder)[f"{name}.gz"]
-                # A .gz with another md5 may be a recompressed copy (Debian's) of the same content.
-                if not check_integrity(origin, gz_md5) and not check_integrity(path, raw_md5):
+            if self.verify_md5 and not official_gz:
+                # Another md5 may be a recompressed copy (Debian's) of the official content.
+                if not check_integrity(path, raw_md5):
                     raise self._wrong_md5(origin, gz_md5, content=path, content_md5=raw_md5)
+            elif official_gz:
                 self._store(path, cached)
             yield path
 
@@ -535,6 +540,9 @@ class MNISTDataModule(pl.LightningDataModule):
 
     def _store(self, path: Path, target: Path) -> None:
         """Copy verified content to ``target`` in the cache; a failure only costs time."""
+        if not _writable(target.parent):
+            log.warning("not caching %s: %s is read-only", target.name, target.parent)
+            return
         created = _missing_dirs(target.parent)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)

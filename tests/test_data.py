@@ -1,8 +1,11 @@
-"""Tests of ``experiments.data``: MNIST read offline from ``../shared/data``, errors, layouts.
+"""Tests of ``experiments.data``: where MNIST is found, what is written where, and the errors.
 
-``../shared/data`` (beside the repo) holds only the official MNIST test split and is read-only:
-every test gives the datamodule a cache in ``tmp_path``, and an autouse fixture checks that the
-shared folder is untouched and that no test reaches the network.
+Every test builds the data state it needs below ``tmp_path``: a copy of the two ``.gz`` files of
+``../shared/data/MNIST/raw`` (the official test split), read-only folders made with ``chmod``,
+tiny hand-made IDX files. Nothing reads the datamodule from ``../shared`` itself, so the tests
+pass whether that folder is writable or read-only and whatever an earlier run left in the user's
+cache. An autouse fixture points the cache and the temp directory into ``tmp_path``, blocks the
+network, and checks that ``../shared`` is left exactly as it was.
 """
 
 from __future__ import annotations
@@ -10,8 +13,11 @@ from __future__ import annotations
 import doctest
 import gzip
 import hashlib
+import pickle
 import shutil
+import stat
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 import warnings
@@ -23,7 +29,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+SHARED = REPO.parent / "shared"
+SHARED_MNIST_RAW = SHARED / "data" / "MNIST" / "raw"
 # pytest puts tests/ on sys.path, not the repo root where the experiments package lives.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -33,21 +40,25 @@ from experiments.data import (  # noqa: E402
     TEST_FILES,
     TRAIN_FILES,
     DataCorruptError,
+    DataError,
     DataNotFoundError,
     MNISTDataModule,
     TestSplitOnlyWarning,
 )
 from isolate.errors import IsolationError  # noqa: E402
 
-MNIST_RAW = SHARED_DATA / "MNIST" / "raw"
 DEBIAN_FASHION = data_mod.DEBIAN_FASHION_MNIST
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
 
 
-def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+def _listing(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file and folder below ``root`` with its sha256 (files) and mode."""
     return {
-        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
+        str(p.relative_to(root)): (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir",
+            stat.S_IMODE(p.stat().st_mode),
+        )
         for p in sorted(root.rglob("*"))
     }
 
@@ -56,8 +67,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
 def hermetic(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[list[urllib.request.Request]]:
-    """No network, no system data, no user cache, and ``../shared/data`` left as it was."""
-    assert (MNIST_RAW / f"{TEST_FILES[0]}.gz").is_file(), f"the test data is missing: {MNIST_RAW}"
+    """No network, no system data, cache and temp files in tmp_path, ``../shared`` untouched."""
     calls: list[urllib.request.Request] = []
 
     def offline(request: urllib.request.Request, *args: Any, **kwargs: Any) -> Any:
@@ -68,18 +78,61 @@ def hermetic(
     monkeypatch.setattr(data_mod, "SYSTEM_DATA_DIRS", {"mnist": (), "fashion_mnist": ()})
     monkeypatch.delenv("ISOLATE_DATA_ROOT", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.chdir(tmp_path)  # the default data_root "data" is relative
-    before = _snapshot(SHARED_DATA)
+    before = _listing(SHARED) if SHARED.is_dir() else None
     yield calls
-    assert _snapshot(SHARED_DATA) == before, "a test wrote into ../shared/data"
+    if before is not None:
+        assert _listing(SHARED) == before, "a test wrote into ../shared"
+    assert not any((tmp_path / "tmp").iterdir()), "temporary files were left behind"
 
 
 @pytest.fixture
-def make(tmp_path: Path) -> Callable[..., MNISTDataModule]:
-    """Build a datamodule on the shared data with a cache in tmp_path and no download."""
+def shared_raw() -> Path:
+    """``../shared/data/MNIST/raw``, the official MNIST test split; only ever copied from."""
+    if not all((SHARED_MNIST_RAW / f"{name}.gz").is_file() for name in TEST_FILES):
+        pytest.skip(f"the MNIST test split is not in ../shared/data/MNIST/raw ({SHARED_MNIST_RAW})")
+    return SHARED_MNIST_RAW
+
+
+@pytest.fixture
+def mnist_root(tmp_path: Path, shared_raw: Path) -> Path:
+    """A writable data root in tmp_path holding a copy of the two official ``.gz`` files."""
+    return _copy_root(shared_raw, tmp_path / "root")
+
+
+def _copy_root(shared_raw: Path, root: Path) -> Path:
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in TEST_FILES:
+        shutil.copyfile(shared_raw / f"{name}.gz", raw / f"{name}.gz")
+    return root
+
+
+@pytest.fixture
+def read_only() -> Iterator[Callable[[Path], Path]]:
+    """Make a folder below tmp_path read-only (r-x, files r--); undone afterwards."""
+    made: list[Path] = []
+
+    def make(root: Path) -> Path:
+        for path in [*sorted(root.rglob("*"), reverse=True), root]:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        made.append(root)
+        return root
+
+    yield make
+    for root in made:  # so that pytest can delete tmp_path without root rights
+        for path in [root, *root.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+@pytest.fixture
+def make(mnist_root: Path, tmp_path: Path) -> Callable[..., MNISTDataModule]:
+    """Build a datamodule on a copy of the test split with a cache in tmp_path, no download."""
 
     def build(**kwargs: Any) -> MNISTDataModule:
-        kwargs.setdefault("data_root", str(SHARED_DATA))
+        kwargs.setdefault("data_root", str(mnist_root))
         kwargs.setdefault("cache_dir", str(tmp_path / "cache"))
         kwargs.setdefault("download", False)
         return MNISTDataModule(**kwargs)
@@ -95,10 +148,10 @@ def _ready(dm: MNISTDataModule) -> MNISTDataModule:
     return dm
 
 
-def _official_test_split() -> tuple[torch.Tensor, torch.Tensor]:
-    raw = {name: gzip.decompress((MNIST_RAW / f"{name}.gz").read_bytes()) for name in TEST_FILES}
-    images = torch.frombuffer(bytearray(raw[TEST_FILES[0]]), dtype=torch.uint8, offset=16)
-    labels = torch.frombuffer(bytearray(raw[TEST_FILES[1]]), dtype=torch.uint8, offset=8)
+def _official_test_split(raw: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    content = {name: gzip.decompress((raw / f"{name}.gz").read_bytes()) for name in TEST_FILES}
+    images = torch.frombuffer(bytearray(content[TEST_FILES[0]]), dtype=torch.uint8, offset=16)
+    labels = torch.frombuffer(bytearray(content[TEST_FILES[1]]), dtype=torch.uint8, offset=8)
     return images.view(-1, 28, 28), labels.long()
 
 
@@ -113,26 +166,29 @@ def _idx(tensor: torch.Tensor) -> bytes:
     return header + tensor.to(torch.uint8).contiguous().numpy().tobytes()
 
 
-def _write_fake_split(folder: Path, n_train: int, n_test: int, *, gz: bool = True) -> None:
-    """Write tiny train and test IDX files; image i is filled with the value i, label i % 10."""
-    folder.mkdir(parents=True, exist_ok=True)
+def _fake_files(n_train: int, n_test: int) -> dict[str, bytes]:
+    """Tiny train and test IDX files; image i is filled with the value i, label i % 10."""
+    files = {}
     for (images_name, labels_name), n in ((TRAIN_FILES, n_train), (TEST_FILES, n_test)):
         values = torch.arange(n)
-        for name, tensor in (
-            (images_name, values.view(-1, 1, 1).expand(n, 28, 28)),
-            (labels_name, values % 10),
-        ):
-            content = _idx(tensor)
-            if gz:
-                (folder / f"{name}.gz").write_bytes(gzip.compress(content))
-            else:
-                (folder / name).write_bytes(content)
+        files[images_name] = _idx(values.view(-1, 1, 1).expand(n, 28, 28))
+        files[labels_name] = _idx(values % 10)
+    return files
+
+
+def _write_fake_split(folder: Path, n_train: int, n_test: int, *, gz: bool = True) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in _fake_files(n_train, n_test).items():
+        if gz:
+            (folder / f"{name}.gz").write_bytes(gzip.compress(content, mtime=0))
+        else:
+            (folder / name).write_bytes(content)
 
 
 # -- the official test split, carved -------------------------------------------------------
 
 
-def test_test_split_only_is_carved_into_disjoint_labelled_parts(make) -> None:
+def test_test_split_only_is_carved_into_disjoint_labelled_parts(make, mnist_root) -> None:
     dm = make()
     dm.prepare_data()
     with pytest.warns(TestSplitOnlyWarning, match=r"ONLY THE OFFICIAL TEST SPLIT"):
@@ -148,12 +204,14 @@ def test_test_split_only_is_carved_into_disjoint_labelled_parts(make) -> None:
         True,
     )
     assert {k: info[k] for k in sets} == {"train": 8000, "val": 1000, "test": 1000}
-    assert info["files"] == {name: str(MNIST_RAW / f"{name}.gz") for name in TEST_FILES}
-    for words in ("MNIST", "8,000", "1,000", "seed 0", "not comparable", str(MNIST_RAW)):
+    raw = mnist_root / "MNIST" / "raw"
+    assert info["files"] == {name: str(raw / f"{name}.gz") for name in TEST_FILES}
+    for words in ("MNIST", "8,000", "1,000", "seed 0", "not comparable", str(raw)):
         assert words in dm.source_note
+    assert "--data.download=true" in dm.source_note
 
     # Every served image is an official test image with its own label, each used exactly once.
-    images, labels = _official_test_split()
+    images, labels = _official_test_split(raw)
     label_of = {
         bytes(img.flatten().numpy()): int(lab) for img, lab in zip(images, labels, strict=True)
     }
@@ -166,6 +224,16 @@ def test_test_split_only_is_carved_into_disjoint_labelled_parts(make) -> None:
             assert label_of[key] == int(lab)
             seen.append(key)
     assert len(seen) == len(set(seen)) == 10000
+
+
+def test_the_carve_is_the_one_reported_numbers_were_made_with(make) -> None:
+    # Pinned: a different carve would silently change every accuracy in the README's report.
+    dm = _ready(make())
+    labels = {s: getattr(dm, f"{s}_set").tensors[1] for s in ("train", "val", "test")}
+    assert labels["train"][:12].tolist() == [1, 2, 0, 4, 9, 2, 2, 6, 2, 8, 2, 9]
+    assert labels["val"][:12].tolist() == [1, 7, 7, 5, 9, 1, 8, 6, 7, 8, 0, 1]
+    assert labels["test"][:12].tolist() == [8, 1, 4, 8, 6, 4, 0, 7, 2, 3, 9, 2]
+    assert [int(v.sum()) for v in labels.values()] == [35437, 4543, 4454]
 
 
 def test_values_are_normalized_with_the_mnist_statistics(make) -> None:
@@ -220,69 +288,131 @@ def test_limits_take_subsets_of_each_split(make) -> None:
     assert "limit_train=100" in dm.source_note
 
 
-def test_decompressed_copies_go_to_the_cache_and_are_read_from_there(make, tmp_path) -> None:
-    cache_raw = tmp_path / "cache" / "MNIST" / "raw"
-    _ready(make())
-    for name in TEST_FILES:
-        expected = gzip.decompress((MNIST_RAW / f"{name}.gz").read_bytes())
-        assert (cache_raw / name).read_bytes() == expected
-    assert sorted(p.name for p in cache_raw.iterdir()) == sorted(TEST_FILES)
+# -- what is written where -------------------------------------------------------------------
 
-    # A later run reads (and checks) the cached copy, yet reports where the data came from.
-    blob = bytearray((cache_raw / TEST_FILES[0]).read_bytes())
+
+def test_the_data_root_is_never_written_whether_writable_or_read_only(
+    tmp_path, shared_raw, read_only
+) -> None:
+    cache_raw = tmp_path / "xdg" / "isolate" / "MNIST" / "raw"
+    writable = _copy_root(shared_raw, tmp_path / "writable")
+    locked = read_only(_copy_root(shared_raw, tmp_path / "locked"))
+    for root in (writable, locked, writable):  # twice in a row, as the README's commands run
+        before = _listing(root)
+        dm = _ready(MNISTDataModule(data_root=str(root), download=False))
+        assert dm.cache_dir == tmp_path / "xdg" / "isolate", root
+        assert _listing(root) == before, f"{root.name}: the datamodule wrote into its data root"
+        assert len(dm.train_set) == 8000
+        # The decompressed copies torchvision's readers need are in the user's cache.
+        assert sorted(p.name for p in cache_raw.iterdir()) == sorted(TEST_FILES)
+        for name in TEST_FILES:
+            expected = gzip.decompress((root / "MNIST" / "raw" / f"{name}.gz").read_bytes())
+            assert (cache_raw / name).read_bytes() == expected
+        assert dm.split_info["files"][TEST_FILES[0]] == str(
+            root / "MNIST" / "raw" / f"{TEST_FILES[0]}.gz"
+        )
+
+
+def test_the_cache_defaults_to_xdg_then_home_then_temp(tmp_path, monkeypatch, read_only) -> None:
+    assert MNISTDataModule().cache_dir == tmp_path / "xdg" / "isolate"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert MNISTDataModule().cache_dir == tmp_path / "home" / ".cache" / "isolate"
+    (tmp_path / "home").mkdir()
+    read_only(tmp_path / "home")
+    assert MNISTDataModule().cache_dir == tmp_path / "tmp" / "isolate"
+    assert MNISTDataModule(cache_dir="mine").cache_dir == Path("mine")
+
+
+def test_a_read_only_cache_still_serves_the_data(tmp_path, mnist_root, read_only) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    read_only(cache)
+    dm = _ready(MNISTDataModule(data_root=str(mnist_root), cache_dir=str(cache), download=False))
+    assert len(dm.train_set) == 8000
+    assert list(cache.iterdir()) == []  # no empty MNIST/raw left in it either
+
+
+def test_a_damaged_cached_copy_is_made_again(make, tmp_path, mnist_root) -> None:
+    cache_raw = tmp_path / "cache" / "MNIST" / "raw"
+    good = _ready(make())
+    official = (cache_raw / TEST_FILES[0]).read_bytes()
+    blob = bytearray(official)
     blob[5000] ^= 0xFF
     (cache_raw / TEST_FILES[0]).write_bytes(bytes(blob))
-    with pytest.raises(DataCorruptError, match=r"t10k-images-idx3-ubyte has the wrong checksum"):
-        make().setup()
-    (cache_raw / TEST_FILES[0]).unlink()
-    dm = _ready(make())
-    assert dm.split_info["files"][TEST_FILES[0]] == str(MNIST_RAW / f"{TEST_FILES[0]}.gz")
+    again = _ready(make())
+    assert (cache_raw / TEST_FILES[0]).read_bytes() == official
+    assert torch.equal(again.train_set.tensors[0], good.train_set.tensors[0])
+    assert again.split_info["files"] == good.split_info["files"]
 
 
-def test_a_read_only_data_root_sends_the_cache_elsewhere(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("ISOLATE_DATA_ROOT", str(SHARED_DATA))
-    dm = MNISTDataModule(download=False)
-    assert dm.data_root == SHARED_DATA
-    assert dm.cache_dir == tmp_path / "xdg" / "isolate"
-    _ready(dm)
-    assert sorted(p.name for p in (dm.cache_dir / "MNIST" / "raw").iterdir()) == sorted(TEST_FILES)
-
-
-def test_a_writable_data_root_is_its_own_cache(tmp_path) -> None:
-    raw = tmp_path / "root" / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for name in TEST_FILES:
-        shutil.copy(MNIST_RAW / f"{name}.gz", raw)
-    dm = _ready(MNISTDataModule(data_root=str(tmp_path / "root"), download=False))
-    assert dm.cache_dir == tmp_path / "root"
-    assert sorted(p.name for p in raw.iterdir()) == sorted(
-        [*TEST_FILES, *(f"{n}.gz" for n in TEST_FILES)]
-    )
+def test_the_data_root_defaults_to_the_environment_then_data(tmp_path, monkeypatch) -> None:
     assert MNISTDataModule().data_root == Path("data")
+    monkeypatch.setenv("ISOLATE_DATA_ROOT", str(tmp_path / "elsewhere"))
+    assert MNISTDataModule().data_root == tmp_path / "elsewhere"
+    assert MNISTDataModule(data_root="given").data_root == Path("given")
+
+
+def test_unverified_gz_files_are_read_through_a_temporary_copy(tmp_path) -> None:
+    _write_fake_split(tmp_path / "FashionMNIST" / "raw", 20, 10)
+    dm = _ready(MNISTDataModule("fashion_mnist", data_root=str(tmp_path), verify_md5=False))
+    assert len(dm.test_set) == 10
+    # Unverified content never goes to the cache, where it could pass for official data; the
+    # hermetic fixture checks that the temporary copies are gone.
+    assert not (tmp_path / "xdg").exists()
+    assert sorted(p.name for p in (tmp_path / "FashionMNIST" / "raw").iterdir()) == sorted(
+        f"{n}.gz" for n in (*TRAIN_FILES, *TEST_FILES)
+    )
 
 
 # -- errors ---------------------------------------------------------------------------------
 
 
-def test_no_data_raises_data_not_found_naming_files_places_and_fixes(tmp_path) -> None:
-    empty = tmp_path / "empty"
-    dm = MNISTDataModule(data_root=str(empty), cache_dir=str(tmp_path / "c"), download=False)
+def test_no_data_raises_data_not_found_with_the_flags_to_pass(tmp_path) -> None:
+    before = sorted(tmp_path.rglob("*"))
+    dm = MNISTDataModule(data_root="empty", download=False)
     with pytest.raises(DataNotFoundError, match=r"^MNISTDataModule: MNIST files not found") as e:
         dm.prepare_data()
-    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, IsolationError)
-    message = str(e.value)
+    error = e.value
+    assert isinstance(error, FileNotFoundError) and isinstance(error, DataError)
+    assert not isinstance(error, IsolationError)  # a missing file is not an isolation failure
+    message = str(error)
     for part in (
         *TEST_FILES,
         *TRAIN_FILES,
-        str(empty / "MNIST" / "raw"),
-        str(tmp_path / "c" / "MNIST" / "raw"),
-        "network access",
+        "empty/MNIST/raw (--data.data_root)",
+        f"{tmp_path / 'xdg' / 'isolate' / 'MNIST' / 'raw'} (--data.cache_dir",
         "ISOLATE_DATA_ROOT",
     ):
         assert part in message
-    assert "apt-get" not in message
+    assert error.hint.startswith("To fix: pass --data.download=true (with network access)")
+    assert "--data.data_root=PATH for a folder holding MNIST/raw/t10k-images" in error.hint
+    assert message.endswith(error.hint)
+    assert "download=True" not in message and "apt-get" not in message
     with pytest.raises(DataNotFoundError):
         dm.setup()
+    assert sorted(tmp_path.rglob("*")) == before  # no empty folder left behind
+
+
+def test_a_failed_download_leaves_no_empty_folders(tmp_path, hermetic) -> None:
+    before = sorted(tmp_path.rglob("*"))
+    dm = MNISTDataModule(data_root="empty", download=True)
+    with pytest.raises(DataNotFoundError, match=r"download=True but the MNIST download") as e:
+        dm.prepare_data()
+    assert "--data.download=false" in e.value.hint
+    assert "URLError" in str(e.value) and "t10k-images-idx3-ubyte.gz" in str(e.value)
+    # Each mirror was tried once for the first file, and then the download stopped.
+    assert [request.full_url for request in hermetic] == [
+        f"{mirror}{TEST_FILES[0]}.gz" for mirror in data_mod._mirrors("MNIST")
+    ]
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_data_errors_survive_pickling_with_their_hint() -> None:
+    # DDP's spawn start method pickles exceptions across processes.
+    for error in (DataNotFoundError("gone", "To fix: x"), DataCorruptError("bad", "To fix: y")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert (type(copy), str(copy), copy.hint) == (type(error), str(error), error.hint)
 
 
 def test_fashion_not_found_lists_the_debian_place_and_package(tmp_path, monkeypatch) -> None:
@@ -291,9 +421,9 @@ def test_fashion_not_found_lists_the_debian_place_and_package(tmp_path, monkeypa
     dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path), download=False)
     with pytest.raises(DataNotFoundError, match=r"Fashion-MNIST files not found") as e:
         dm.prepare_data()
-    assert str(system) in str(e.value)
+    assert f"{system} (installed by a system package)" in str(e.value)
     assert str(tmp_path / "FashionMNIST" / "raw") in str(e.value)
-    assert "apt-get install dataset-fashion-mnist" in str(e.value)
+    assert "apt-get install dataset-fashion-mnist" in e.value.hint
 
 
 def test_half_a_train_pair_is_not_mistaken_for_a_test_only_root(tmp_path) -> None:
@@ -321,33 +451,39 @@ def _edit_content(data: bytes) -> bytes:
 
 # Cases run in a loop rather than parametrized: the suite's conftest pays ~0.5 s per test item.
 GZ_DAMAGE = {
-    "truncated": (TEST_FILES[1], _truncate, r"is not a valid gzip file .*expected ec29112dd5afa06"),
+    "truncated": (TEST_FILES[1], _truncate, r"is not a valid gzip file \("),
     "flipped-byte": (TEST_FILES[0], _flip, r"idx3-ubyte\.gz (is not a valid gzip|has the wrong)"),
-    "edited-content": (TEST_FILES[0], _edit_content, r"content's md5 expected 2646ac647ad5339"),
+    "edited-content": (
+        TEST_FILES[0],
+        _edit_content,
+        r"md5 expected 9fb629c4189551a2d022fa330f9573f3 \(torchvision's resource list\), got "
+        r"[0-9a-f]{32}; its content's md5 expected 2646ac647ad5339dbf082846283269ea",
+    ),
 }
 
 
-def test_damaged_gz_files_raise_data_corrupt(tmp_path) -> None:
+def test_damaged_gz_files_raise_data_corrupt(tmp_path, shared_raw) -> None:
     for case, (name, damage, match) in GZ_DAMAGE.items():
-        raw = tmp_path / case / "MNIST" / "raw"
-        raw.mkdir(parents=True)
-        for official in TEST_FILES:
-            shutil.copy(MNIST_RAW / f"{official}.gz", raw)
-        (raw / f"{name}.gz").write_bytes(damage((MNIST_RAW / f"{name}.gz").read_bytes()))
-        dm = MNISTDataModule(data_root=str(tmp_path / case), download=False)
+        root = _copy_root(shared_raw, tmp_path / case)
+        gz = root / "MNIST" / "raw" / f"{name}.gz"
+        gz.write_bytes(damage(gz.read_bytes()))
+        cache = tmp_path / case / "cache"
+        dm = MNISTDataModule(data_root=str(root), cache_dir=str(cache), download=False)
         with pytest.raises(DataCorruptError, match=match) as e:
             dm.prepare_data()
-        assert isinstance(e.value, ValueError) and isinstance(e.value, IsolationError), case
-        assert str(e.value).startswith(f"MNISTDataModule: {raw / name}.gz "), case
-        assert "Delete or replace" in str(e.value), case
+        assert isinstance(e.value, ValueError) and isinstance(e.value, DataError), case
+        assert not isinstance(e.value, IsolationError), case
+        assert str(e.value).startswith(f"MNISTDataModule: {gz} "), case
+        assert e.value.hint.startswith(f"To fix: delete or replace {gz}: download"), case
+        assert not (cache / "MNIST" / "raw" / name).exists(), case
 
 
-def test_a_recompressed_gz_of_the_official_content_is_accepted(tmp_path) -> None:
+def test_a_recompressed_gz_of_the_official_content_is_accepted(tmp_path, shared_raw) -> None:
     # The Debian package ships .gz files like this: other bytes, the same content.
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)
     for name in TEST_FILES:
-        content = gzip.decompress((MNIST_RAW / f"{name}.gz").read_bytes())
+        content = gzip.decompress((shared_raw / f"{name}.gz").read_bytes())
         (raw / f"{name}.gz").write_bytes(gzip.compress(content, compresslevel=1, mtime=0))
     assert hashlib.md5((raw / f"{TEST_FILES[0]}.gz").read_bytes()).hexdigest() != (
         "9fb629c4189551a2d022fa330f9573f3"
@@ -357,10 +493,19 @@ def test_a_recompressed_gz_of_the_official_content_is_accepted(tmp_path) -> None
 
 
 IDX_DAMAGE = {
-    "short-images": (TEST_FILES[0], lambda b: b[:-784], r"announces 20 items, that is 15696 bytes"),
-    "long-labels": (TEST_FILES[1], lambda b: b + b"\x00", r"truncated or padded"),
+    "short-images": (
+        TEST_FILES[0],
+        lambda b: b[:-784],
+        r"images-idx3-ubyte is not a complete IDX file .*\[20, 28, 28\]' is invalid for input of "
+        r"size 14896",
+    ),
+    "long-labels": (
+        TEST_FILES[1],
+        lambda b: b + b"\x00",
+        r"labels-idx1-ubyte is not a complete IDX file .*size 21",
+    ),
     "bad-label": (TEST_FILES[1], lambda b: b[:8] + b"\x0c" + b[9:], r"holds label 12; expected"),
-    "bad-magic": (TEST_FILES[0], lambda b: b"\x00\x00\x08\x01" + b[4:], r"expected 00000803"),
+    "bad-magic": (TEST_FILES[0], lambda b: b"\x00\x00\x08\x01" + b[4:], r"not a complete IDX"),
     "bad-shape": (
         TEST_FILES[0],
         lambda b: b[:8] + (14).to_bytes(4, "big") + (56).to_bytes(4, "big") + b[16:],
@@ -375,11 +520,21 @@ def test_broken_idx_files_raise_even_without_md5(tmp_path) -> None:
         _write_fake_split(raw, 30, 20, gz=False)
         (raw / name).write_bytes(damage((raw / name).read_bytes()))
         dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path / case), verify_md5=False)
-        with pytest.raises(DataCorruptError, match=match):
+        with pytest.raises(DataCorruptError, match=match) as e:
             dm.setup()
+        assert str(e.value).startswith(f"MNISTDataModule: {raw / name} "), case
 
 
-def test_arguments_are_checked_before_anything_happens() -> None:
+def test_images_and_labels_of_different_lengths_are_refused(tmp_path) -> None:
+    raw = tmp_path / "FashionMNIST" / "raw"
+    _write_fake_split(raw, 30, 20, gz=False)
+    (raw / TEST_FILES[1]).write_bytes(_idx(torch.arange(19) % 10))
+    dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path), verify_md5=False)
+    with pytest.raises(DataCorruptError, match=r"holds 20 images but .* holds 19 labels"):
+        dm.setup()
+
+
+def test_arguments_are_checked_before_anything_happens(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"dataset='cifar' is unknown"):
         MNISTDataModule("cifar")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"val_fraction=1.0 must be in \(0, 1\)"):
@@ -390,6 +545,7 @@ def test_arguments_are_checked_before_anything_happens() -> None:
         MNISTDataModule(limit_train=0)
     with pytest.raises(RuntimeError, match=r"call prepare_data\(\) and setup\(\)"):
         MNISTDataModule().train_dataloader()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
 
 
 # -- Fashion-MNIST and the full split -------------------------------------------------------
@@ -417,16 +573,17 @@ def test_fashion_full_split_from_tiny_hand_made_files(tmp_path) -> None:
         for v in _to_uint8(s.tensors[0], FASHION_MEAN, FASHION_STD)[:, 0, 0, 0]
     ]
     assert sorted(seen) == list(range(60))
-    # Unverified content never goes to the cache, where it could pass for official data.
-    assert not (tmp_path / "FashionMNIST" / "raw" / TEST_FILES[0]).exists()
     assert dm.classes[9] == "Ankle boot"
 
 
 def test_hand_made_files_fail_the_md5_check_with_a_hint(tmp_path) -> None:
     _write_fake_split(tmp_path / "FashionMNIST" / "raw", 20, 10)
     dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path))
-    with pytest.raises(DataCorruptError, match=r"wrong checksum.*pass verify_md5=False"):
+    with pytest.raises(DataCorruptError, match=r"has the wrong checksum") as e:
         dm.prepare_data()
+    assert e.value.hint.endswith(
+        "For IDX files you made yourself, pass --data.verify_md5=false instead."
+    )
 
 
 def test_fashion_in_the_debian_layout_is_found(tmp_path, monkeypatch) -> None:
@@ -459,21 +616,34 @@ def test_the_real_debian_fashion_package_passes_the_md5_check(tmp_path, monkeypa
 # -- downloading ----------------------------------------------------------------------------
 
 
+class _Response:
+    """What urllib.request.urlopen returns, serving ``body`` in chunks."""
+
+    def __init__(self, request: urllib.request.Request, body: bytes) -> None:
+        self.url, self.length, self._body = request.full_url, len(body), body
+
+    def read(self, size: int = -1) -> bytes:
+        size = len(self._body) if size < 0 else size
+        chunk, self._body = self._body[:size], self._body[size:]
+        return chunk
+
+    def __enter__(self) -> _Response:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def test_an_offline_download_falls_back_to_the_files_on_disk(make, hermetic) -> None:
     dm = make(download=None)
-    with pytest.warns(UserWarning, match=r"could not download MNIST \(RuntimeError: Error"):
+    with pytest.warns(UserWarning, match=r"could not download MNIST \(train-images-idx3-ubyte"):
         dm.prepare_data()
     assert hermetic, "the download was not even tried"
+    # Only the missing train pair was asked for, never the test split that is on disk.
+    assert all("train-" in request.full_url for request in hermetic)
     with pytest.warns(TestSplitOnlyWarning):
         dm.setup()
     assert len(dm.train_set) == 8000
-
-
-def test_download_true_raises_when_offline(make, hermetic) -> None:
-    with pytest.raises(DataNotFoundError, match=r"download=True but the MNIST download") as e:
-        make(download=True).prepare_data()
-    assert isinstance(e.value.__cause__, RuntimeError)
-    assert hermetic
 
 
 def test_no_download_is_tried_when_not_allowed_or_not_needed(make, tmp_path, hermetic) -> None:
@@ -483,28 +653,46 @@ def test_no_download_is_tried_when_not_allowed_or_not_needed(make, tmp_path, her
     assert hermetic == []
 
 
-def test_a_half_finished_download_is_cleaned_up(make, tmp_path, monkeypatch) -> None:
-    class Response:
-        def __init__(self, request: urllib.request.Request) -> None:
-            self.url, self.length, self._chunks = request.full_url, 7, [b"partial"]
+def test_a_download_lands_in_the_cache_all_or_nothing(tmp_path, monkeypatch) -> None:
+    files = {f"{name}.gz": gzip.compress(c, mtime=0) for name, c in _fake_files(30, 10).items()}
+    md5 = {name: hashlib.md5(body).hexdigest() for name, body in files.items()}
+    served: list[str] = []
+    broken: set[str] = set()
 
-        def read(self, size: int = -1) -> bytes:
-            return self._chunks.pop() if self._chunks else b""
+    def server(request: urllib.request.Request, *args: Any, **kwargs: Any) -> _Response:
+        name = request.full_url.rsplit("/", 1)[-1]
+        served.append(name)
+        body = files[name]
+        return _Response(request, body[: len(body) // 2] if name in broken else body)
 
-        def __enter__(self) -> Response:
-            return self
+    monkeypatch.setattr(urllib.request, "urlopen", server)
+    monkeypatch.setattr(data_mod, "_resources", lambda folder: md5)
+    monkeypatch.setattr(data_mod, "_mirrors", lambda folder: ["https://mirror.invalid/"])
+    root = tmp_path / "root"
+    _write_fake_split(root / "FashionMNIST" / "raw", 0, 10)
+    for name in TRAIN_FILES:
+        (root / "FashionMNIST" / "raw" / f"{name}.gz").unlink()
+    before = _listing(root)
+    cache_raw = tmp_path / "xdg" / "isolate" / "FashionMNIST" / "raw"
 
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-    monkeypatch.setattr(urllib.request, "urlopen", lambda request, *a, **k: Response(request))
-    dm = make(download=None)
-    with pytest.warns(UserWarning, match=r"could not download MNIST"):
+    # The labels arrive broken: the images, complete on their own, must not land either.
+    broken.add(f"{TRAIN_FILES[1]}.gz")
+    dm = MNISTDataModule("fashion_mnist", data_root=str(root), verify_md5=False)
+    with pytest.warns(UserWarning, match=r"could not download Fashion-MNIST .*corrupted"):
         dm.prepare_data()
-    raw = tmp_path / "cache" / "MNIST" / "raw"
-    assert sorted(p.name for p in raw.iterdir()) == sorted(TEST_FILES)  # only our own copies
-    with pytest.warns(TestSplitOnlyWarning):
-        dm.setup()
+    assert not (tmp_path / "xdg").exists()
+
+    broken.clear()
+    served.clear()
+    dm = _ready(MNISTDataModule("fashion_mnist", data_root=str(root), verify_md5=False))
+    assert {f"{n}.gz" for n in TRAIN_FILES} <= set(served)
+    assert not any(name.startswith("t10k") for name in served)
+    assert dm.split_info["mode"] == "official" and len(dm.train_set) == 27
+    assert dm.split_info["files"][TRAIN_FILES[0]] == str(cache_raw / TRAIN_FILES[0])
+    assert sorted(p.name for p in cache_raw.iterdir()) == sorted(
+        [*TRAIN_FILES, *(f"{n}.gz" for n in TRAIN_FILES)]
+    )
+    assert _listing(root) == before
 
 
 # -- integration ----------------------------------------------------------------------------
