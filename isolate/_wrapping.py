@@ -1,5 +1,5 @@
 """What every module wrapper of ``isolate`` shares: ``.module``, transparent state_dict keys,
-one live wrapper of a kind per module, and ``unwrap()``."""
+one live wrapper of a kind per module, ``unwrap()``, and copies that are wrappers of their own."""
 
 from __future__ import annotations
 
@@ -23,7 +23,12 @@ class Wrapper(nn.Module):
 
     ``state_dict()`` keys are the wrapped module's own (the ``module.`` infix is removed on
     save and added back on load), so a checkpoint written with the wrapper loads without it
-    and the other way round. ``named_parameters()`` names keep the infix.
+    and the other way round; the missing and unexpected keys ``load_state_dict`` reports are
+    named the same way. ``named_parameters()`` names keep the infix.
+
+    A copy of a wrapper (``copy.deepcopy``, pickling, ``torch.save``/``torch.load``, the
+    copy that EMA and SWA averaging make) wraps the copied module and is registered as that
+    module's live wrapper: it is independent of the original.
     """
 
     module: nn.Module
@@ -47,6 +52,17 @@ class Wrapper(nn.Module):
         _wrapped.setdefault(module, []).append(weakref.ref(self))
         self._register_state_dict_hook(_strip_module_infix)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_add_module_infix)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(_drop_module_infix)  # type: ignore[no-untyped-call]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Called for copy.deepcopy and for unpickling alike: the copy wraps the copied module,
+        # so it registers as that module's live wrapper (the original stays the original's).
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        module = self._modules.get("module")
+        if module is not None:
+            _wrapped.setdefault(module, []).append(weakref.ref(self))
+        if _drop_module_infix not in self._load_state_dict_post_hooks.values():
+            self.register_load_state_dict_post_hook(_drop_module_infix)  # type: ignore[no-untyped-call]
 
     def unwrap(self) -> nn.Module:
         """Undo what the wrapper did to the module and return it."""
@@ -76,3 +92,23 @@ def _add_module_infix(
 ) -> None:
     for key in [k for k in state_dict if k.startswith(prefix)]:
         state_dict[prefix + "module." + key[len(prefix) :]] = state_dict.pop(key)
+    # Read back by _drop_module_infix once the wrapped module has loaded.
+    module.__dict__["_isolate_loading"] = (prefix, error_msgs, len(error_msgs))
+
+
+def _drop_module_infix(module: nn.Module, incompatible: Any) -> None:
+    """Name missing and unexpected keys (and size mismatches) as ``state_dict()`` names
+    them, without the ``module.`` infix that ``_add_module_infix`` put in to load them."""
+    loading = module.__dict__.pop("_isolate_loading", None)
+    if loading is None:
+        return
+    prefix, error_msgs, start = loading
+    inner = prefix + "module."
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
+    for i in range(start, len(error_msgs)):
+        error_msgs[i] = (
+            error_msgs[i]
+            .replace(f"for {inner}", f"for {prefix}")
+            .replace(f'named "{inner}', f'named "{prefix}')
+        )

@@ -7,9 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from isolate._tree import is_container, map_tensors
+from isolate._tree import check_structure, map_tensors
 from isolate._wrapping import Wrapper
-from isolate.errors import IsolationTypeError
 
 __all__ = ["Cloned", "clone"]
 
@@ -21,7 +20,8 @@ def clone(x: Any) -> Any:
     stays in the graph: gradient flows back through it and accumulates onto the source.
 
     Raises:
-        IsolationTypeError: ``x`` is neither a tensor nor a container.
+        IsolationTypeError: ``x`` is neither a tensor nor a container, or holds tensors that
+            cannot be reached (see :func:`isolate.stop_gradient`).
 
     >>> a = torch.ones(2, requires_grad=True)
     >>> b = clone([a * 2])[0]
@@ -29,12 +29,9 @@ def clone(x: Any) -> Any:
     >>> a.grad
     tensor([20., 20.])
     """
-    if not isinstance(x, torch.Tensor) and not is_container(x):
-        raise IsolationTypeError(
-            f"clone(): expected a tensor or a tuple/list/dict/dataclass of tensors, "
-            f"got {type(x).__name__}"
-        )
-    return map_tensors(torch.Tensor.clone, x)
+    caller = "clone()"
+    check_structure(x, caller)
+    return map_tensors(torch.Tensor.clone, x, caller)
 
 
 class Cloned(Wrapper):
@@ -58,5 +55,7 @@ class Cloned(Wrapper):
         super().__init__(branch)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = clone((args, kwargs))
+        args, kwargs = map_tensors(
+            torch.Tensor.clone, (args, kwargs), f"Cloned({type(self.module).__name__})"
+        )
         return self.module(*args, **kwargs)

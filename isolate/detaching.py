@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from isolate._tree import is_container, iter_tensors, map_tensors
+from isolate._tree import check_structure, map_tensors
 from isolate._wrapping import Wrapper
 from isolate.errors import InplaceModificationError, IsolationTypeError
 
@@ -18,19 +18,12 @@ __all__ = ["Detached", "GradientScale", "scale_gradient", "stop_gradient"]
 InplacePolicy = Literal["error", "copy"]
 
 
-def _check_structure(x: object, caller: str) -> None:
-    if not isinstance(x, torch.Tensor) and not is_container(x):
-        raise IsolationTypeError(
-            f"{caller}: expected a tensor or a tuple/list/dict/dataclass of tensors, "
-            f"got {type(x).__name__}"
-        )
-
-
 def stop_gradient(x: Any) -> Any:
     """Return ``x`` with every tensor detached from the graph, in the same structure.
 
-    Works on tensors and on tuples, lists, dicts and dataclasses nesting them; other
-    leaves are returned unchanged.
+    Works on tensors and on tuples, lists, dicts, dataclasses and registered pytree nodes
+    nesting them; values that hold no tensor (numbers, strings, ``None``) are returned
+    unchanged.
 
     Args:
         x: a tensor or a nested container of tensors.
@@ -39,7 +32,10 @@ def stop_gradient(x: Any) -> Any:
         The same structure, each tensor replaced by ``tensor.detach()``.
 
     Raises:
-        IsolationTypeError: ``x`` is neither a tensor nor a container.
+        IsolationTypeError: ``x`` is neither a tensor nor a container, or holds an object
+            that keeps tensors where they cannot be reached (a plain class such as a
+            PyG-style batch, a set, a generator): register the class with
+            ``torch.utils._pytree.register_pytree_node``.
 
     Note:
         A detached tensor **shares storage** with the original: an in-place edit of it
@@ -52,12 +48,9 @@ def stop_gradient(x: Any) -> Any:
     >>> out["feat"].requires_grad, out["n"]
     (False, 3)
     """
-    _check_structure(x, "stop_gradient()")
-    return map_tensors(torch.Tensor.detach, x)
-
-
-def _versions(tensors: list[torch.Tensor]) -> list[int]:
-    return [t._version for t in tensors]
+    caller = "stop_gradient()"
+    check_structure(x, caller)
+    return map_tensors(torch.Tensor.detach, x, caller)
 
 
 class Detached(Wrapper):
@@ -77,6 +70,11 @@ class Detached(Wrapper):
 
     Raises:
         InplaceModificationError: (from ``forward``) the branch edited an input in place.
+        IsolationTypeError: (from ``forward``) an input holds tensors where they cannot be
+            reached to detach them: an object of an unregistered class (a PyG-style batch),
+            a set, a generator. Register the class with
+            ``torch.utils._pytree.register_pytree_node``, or pass its tensors in a tuple,
+            list, dict or dataclass.
 
     Note:
         Detached inputs share storage with the main network's tensors. A branch that edits
@@ -86,6 +84,13 @@ class Detached(Wrapper):
         ``torch.inference_mode()`` tensors have no version counter, and inside a
         ``torch.compile`` region version counters cannot be compared, so with
         ``inplace="error"`` those inputs are copied instead of checked.
+
+        Edits through ``x.data`` (``x.data.mul_(2)``) or through a NumPy array sharing the
+        memory (``x.numpy()``) do not bump the version counter, so the guard does not see
+        them; a branch that writes that way needs ``inplace="copy"``.
+
+        A copy of the wrapper (``copy.deepcopy``, pickling, EMA/SWA averaging) is a wrapper
+        of its own over the copied branch.
 
     >>> trunk, probe = nn.Linear(4, 4), Detached(nn.Linear(4, 2))
     >>> features = trunk(torch.randn(3, 4))
@@ -106,17 +111,29 @@ class Detached(Wrapper):
         self.name = name or type(branch).__name__
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        caller = f"Detached({self.name})"
         if self.inplace == "copy" or torch.compiler.is_compiling():
             # Version counters are data-dependent in a compiled graph and cannot be compared
             # there, so compiled code gets copies (which the compiler drops when the branch
             # does not edit them).
-            args, kwargs = _copies((args, kwargs))
+            args, kwargs = map_tensors(_copy, (args, kwargs), caller)
             return self.module(*args, **kwargs)
-        inputs = map_tensors(_detach_or_copy, (args, kwargs))
-        watched = [t for t in iter_tensors(inputs) if not t.is_inference()]
-        before = _versions(watched)
-        out = self.module(*inputs[0], **inputs[1])
-        after = _versions(watched)
+        watched: list[torch.Tensor] = []
+
+        def detach(t: torch.Tensor) -> torch.Tensor:
+            # Inference tensors carry no version counter, so the guard cannot see edits of
+            # them: the branch gets a copy instead.
+            if t.is_inference():
+                return t.detach().clone()
+            detached = t.detach()
+            watched.append(detached)
+            return detached
+
+        # One pass detaches and collects: the per-call cost stays a few microseconds.
+        args, kwargs = map_tensors(detach, (args, kwargs), caller)
+        before = [t._version for t in watched]
+        out = self.module(*args, **kwargs)
+        after = [t._version for t in watched]
         if before != after:
             self._raise_inplace(watched, before, after)
         return out
@@ -142,24 +159,59 @@ class Detached(Wrapper):
         return f"inplace={self.inplace!r}"
 
 
-def _detach_or_copy(t: torch.Tensor) -> torch.Tensor:
-    # Inference tensors carry no version counter, so the guard cannot see edits: copy them.
-    return t.detach().clone() if t.is_inference() else t.detach()
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
 
 
-def _copies(inputs: Any) -> Any:
-    return map_tensors(lambda t: t.detach().clone(), inputs)
+def _alias(x: torch.Tensor) -> torch.Tensor:
+    # A new tensor object over the same memory, not a view: autograd refuses in-place ops on
+    # a view made inside a custom Function ("Output 0 of _ScaleGradient is a view and is
+    # being modified inplace"), while an alias behaves as nn.Identity's output does and
+    # shares the version counter, so autograd still catches an edit of a value a backward
+    # needs. A leaf that requires grad (a parameter) is copied instead, so that an in-place
+    # op after the scale cannot write into the parameter.
+    if x.is_leaf and x.requires_grad:
+        return x.clone()
+    return x.detach()
 
 
 class _ScaleGradient(torch.autograd.Function):
+    """Identity forward, ``alpha * grad`` backward (the fast form, outside ``torch.func``)."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, alpha: float) -> torch.Tensor:
         ctx.alpha = alpha
-        return x.view_as(x)
+        return _alias(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.alpha, None
+
+
+class _ScaleGradientFunc(torch.autograd.Function):
+    """The same under ``torch.func`` transforms (``vmap(grad(f))``), which need ``forward``
+    without ``ctx`` plus ``setup_context``. That form binds its arguments with
+    ``inspect.signature`` on every call (about 30 us), so it is used only there."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return _alias(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.alpha = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.alpha, None
+
+
+def _scale(t: torch.Tensor, alpha: float) -> torch.Tensor:
+    if torch._C._are_functorch_transforms_active():
+        return _ScaleGradientFunc.apply(t, alpha)  # type: ignore[no-any-return]
+    return _ScaleGradient.apply(t, alpha)  # type: ignore[no-any-return]
 
 
 def _check_alpha(alpha: object, caller: str) -> float:
@@ -185,7 +237,14 @@ def scale_gradient(x: Any, alpha: float) -> Any:
         alpha: the factor; a finite real number.
 
     Raises:
-        IsolationTypeError: ``x`` is not a tensor or container, or ``alpha`` is not finite.
+        IsolationTypeError: ``x`` is not a tensor or container (or holds tensors that cannot
+            be reached, see :func:`stop_gradient`), or ``alpha`` is not finite.
+
+    Note:
+        Like ``nn.Identity``, the output shares memory with ``x``: an in-place op after
+        the scale (``nn.ReLU(inplace=True)``) also changes ``x``. With ``alpha=0`` the
+        output is ``x.detach()``, a real cut that graph walks see. Works under
+        ``torch.func`` transforms (``vmap(grad(f))`` for per-sample gradients).
 
     >>> a = torch.ones(2, requires_grad=True)
     >>> scale_gradient(a * 3, -0.5).sum().backward()
@@ -193,12 +252,12 @@ def scale_gradient(x: Any, alpha: float) -> Any:
     tensor([-1.5000, -1.5000])
     """
     caller = "scale_gradient()"
-    _check_structure(x, caller)
+    check_structure(x, caller)
     factor = _check_alpha(alpha, caller)
     if factor == 0.0:
         # A real cut, so that graph walks (reachable_parameters) see it too.
-        return map_tensors(torch.Tensor.detach, x)
-    return map_tensors(lambda t: _ScaleGradient.apply(t, factor), x)
+        return map_tensors(torch.Tensor.detach, x, caller)
+    return map_tensors(lambda t: _scale(t, factor), x, caller)
 
 
 class GradientScale(nn.Module):

@@ -9,7 +9,7 @@ module twin.
 from __future__ import annotations
 
 import contextlib
-import itertools
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
+from torch.nn.parameter import UninitializedParameter
 
 from isolate._selectors import Selector, check_module, is_float, select
 from isolate._tree import iter_tensors
@@ -38,44 +38,112 @@ def _outside_compile(fn: _F) -> _F:
     return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
-_sequence = itertools.count()
+class _Sequence:
+    """Numbers handles in creation order; handles loaded from a pickle keep their numbers and
+    move the count past them, so a handle made afterwards is still the newer one."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            seq = self._next
+            self._next += 1
+            return seq
+
+    def past(self, seq: int) -> None:
+        with self._lock:
+            self._next = max(self._next, seq + 1)
+
+
+_sequence = _Sequence()
 _active: weakref.WeakSet[FreezeHandle] = weakref.WeakSet()
 
 
 class _NormPolicy:
-    """The stack of BatchNorm policies pushed on one module, and the hook that enforces the top.
+    """The stack of BatchNorm policies pushed on one module, and the forward pre-hook that
+    enforces the top one.
 
-    A forward pre-hook is used rather than an override of ``train()`` because Lightning's
-    evaluation loop restores modes by assigning ``module.training`` directly.
+    The object *is* the hook and lives only in the module's ``_forward_pre_hooks``, so it
+    travels with the module through ``copy.deepcopy``, pickling and ``torch.save``: a copy's
+    policy is found on the copy, and releasing it never touches the original. A forward
+    pre-hook is used rather than an override of ``train()`` because Lightning's evaluation
+    loop restores modes by assigning ``module.training`` directly.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self) -> None:
         self.stack: list[tuple[int, str]] = []
-        self.hook: RemovableHandle = module.register_forward_pre_hook(self._enforce)
 
-    def _enforce(self, module: nn.Module, args: Any) -> None:
-        if self.stack[-1][1] == "eval":
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self.stack and self.stack[-1][1] == "eval":
             module.training = False
 
 
-_norm_policies: weakref.WeakKeyDictionary[nn.Module, _NormPolicy] = weakref.WeakKeyDictionary()
+def _find_policy(module: nn.Module) -> tuple[int, _NormPolicy] | None:
+    for key, hook in module._forward_pre_hooks.items():
+        if isinstance(hook, _NormPolicy):
+            return key, hook
+    return None
 
 
 def _push_policy(module: nn.Module, seq: int, policy: str) -> None:
-    state = _norm_policies.get(module)
-    if state is None:
-        state = _norm_policies[module] = _NormPolicy(module)
+    found = _find_policy(module)
+    if found is None:
+        state = _NormPolicy()
+        module.register_forward_pre_hook(state)
+    else:
+        state = found[1]
     state.stack.append((seq, policy))
 
 
 def _pop_policy(module: nn.Module, seq: int) -> None:
-    state = _norm_policies.get(module)
-    if state is None:
+    found = _find_policy(module)
+    if found is None:
         return
+    key, state = found
     state.stack = [entry for entry in state.stack if entry[0] != seq]
     if not state.stack:
-        state.hook.remove()
-        del _norm_policies[module]
+        del module._forward_pre_hooks[key]
+
+
+def _check_params(
+    model: nn.Module, caller: str, params: dict[str, nn.Parameter], requires_grad: bool
+) -> None:
+    """Everything that could make a flag flip fail, checked before the first one."""
+    lazy = [name for name, p in params.items() if isinstance(p, UninitializedParameter)]
+    if lazy:
+        raise IsolationTypeError(
+            f"{caller}: {_names(lazy)} of {type(model).__name__} are uninitialized lazy "
+            f"parameters (UninitializedParameter, from nn.LazyLinear and friends), whose "
+            f"requires_grad cannot be set; nothing was changed. Fix: run one forward pass with "
+            f"a sample batch first, so they are created, then call {caller} again"
+        )
+    if requires_grad:
+        integral = [name for name, p in params.items() if not is_float(p)]
+        if integral:
+            raise IsolationTypeError(
+                f"{caller}: parameters {integral} are not floating point, so they cannot "
+                f"require grad; leave them out of the selection (e.g. with a predicate)"
+            )
+    # requires_grad=True cannot be set on an inference tensor (a parameter created under
+    # torch.inference_mode()): not by unfreeze, and not by the restore() of a freeze.
+    stuck = [
+        name for name, p in params.items() if p.is_inference() and p.requires_grad != requires_grad
+    ]
+    if stuck:
+        raise IsolationTypeError(
+            f"{caller}: {_names(stuck)} of {type(model).__name__} were created under "
+            f"torch.inference_mode(), so requires_grad=True can never be set on them again "
+            f"and this change could not be undone; nothing was changed. Fix: create the model "
+            f"outside inference_mode (or clone its parameters outside it)"
+        )
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5])
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return f"parameter{'s' if len(names) > 1 else ''} {shown}{more}"
 
 
 class FreezeHandle:
@@ -97,7 +165,9 @@ class FreezeHandle:
         requires_grad: bool,
         bn: str,
     ) -> None:
-        self._seq = next(_sequence)
+        bn = _check_bn(bn, caller)
+        _check_params(model, caller, params, requires_grad)
+        self._seq = _sequence.take()
         self._caller = caller
         self._model_name = type(model).__name__
         self.names: tuple[str, ...] = tuple(params)
@@ -109,21 +179,46 @@ class FreezeHandle:
         self._flags = [p.requires_grad for p in self._params]
         self._modules = [(m, m.training) for m in norms.values()]
         self._active = True
-        # Everything above was recorded before this point; only now does state change.
-        if requires_grad:
-            for p in self._params:
-                p.requires_grad_(True)
-        else:
-            for p in self._params:
-                p.requires_grad_(False)
-                if p.grad is not None:
-                    # A zero-filled grad would still let weight decay and momentum move p.
-                    p.grad = None
+        # Everything above was validated and recorded before this point; only now does state
+        # change. Should anything still fail halfway (an interrupt), what was done is undone.
         train_mode = model.training
-        for m in norms.values():
-            _push_policy(m, self._seq, bn)
-            m.training = False if bn == "eval" else train_mode
+        pushed: list[nn.Module] = []
+        try:
+            if requires_grad:
+                for p in self._params:
+                    p.requires_grad_(True)
+            else:
+                for p in self._params:
+                    p.requires_grad_(False)
+                    if p.grad is not None:
+                        # A zero-filled grad would still let weight decay and momentum move p.
+                        p.grad = None
+            for m in norms.values():
+                _push_policy(m, self._seq, bn)
+                pushed.append(m)
+                m.training = False if bn == "eval" else train_mode
+        except BaseException:
+            self._undo(pushed)
+            raise
         _active.add(self)
+
+    def _undo(self, pushed: list[nn.Module]) -> None:
+        for p, flag in zip(self._params, self._flags, strict=True):
+            p.requires_grad_(flag)
+        for m in pushed:
+            _pop_policy(m, self._seq)
+        for m, training in self._modules:
+            m.training = training
+        self._active = False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (copy.deepcopy, pickle, torch.load) of an active handle is active and holds
+        # the copied parameters and layers: it joins the registry so that nesting checks see
+        # it, and keeps its place in the order, which the copied layers' policies refer to.
+        self.__dict__.update(state)
+        _sequence.past(self._seq)
+        if self._active:
+            _active.add(self)
 
     @property
     def active(self) -> bool:
@@ -244,9 +339,14 @@ def freeze(
     handle = FreezeHandle(model, caller, selection.params, dict(selection.norms), False, policy)
     if optimizer is not None:
         chosen = set(handle.names)
-        exposed = [
-            e for e in optimizer_exposure(optimizer, model) if e.at_risk and e.name in chosen
-        ]
+        try:
+            # Read after the flip: an exposure is a frozen parameter the optimizer holds.
+            exposed = [
+                e for e in optimizer_exposure(optimizer, model) if e.at_risk and e.name in chosen
+            ]
+        except BaseException:
+            handle.restore()
+            raise
         handle.exposures = tuple(exposed)
         if exposed:
             groups = sorted({e.group for e in exposed})
@@ -287,12 +387,6 @@ def unfreeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "train") -> 
     check_module(model, caller)
     policy = _check_bn(bn, caller)
     selection = select(model, selectors, caller)
-    integral = [name for name, p in selection.params.items() if not is_float(p)]
-    if integral:
-        raise IsolationTypeError(
-            f"{caller}: parameters {integral} are not floating point, so they cannot require "
-            f"grad; leave them out of the selection (e.g. with a predicate)"
-        )
     return FreezeHandle(model, caller, selection.params, dict(selection.norms), True, policy)
 
 
@@ -346,8 +440,8 @@ def is_frozen(model: nn.Module, *selectors: Selector) -> bool:
     return not any(p.requires_grad for p in selection.params.values())
 
 
-def _any_requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    return any(t.requires_grad for t in iter_tensors((args, kwargs)))
+def _any_requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any], caller: str) -> bool:
+    return any(t.requires_grad for t in iter_tensors((args, kwargs), caller))
 
 
 class Frozen(Wrapper):
@@ -378,11 +472,21 @@ class Frozen(Wrapper):
     """
 
     def __init__(self, module: nn.Module) -> None:
+        caller = "Frozen()"
+        check_module(module, caller, "the wrapped object")
+        selection = select(module, (), caller)
+        # Checked before the wrapper registers itself, so a refused module is left as it was
+        # and can be wrapped once the problem is fixed.
+        _check_params(module, caller, selection.params, False)
         super().__init__(module)
-        self._handle = freeze(module, bn="eval")
+        self._handle = FreezeHandle(
+            module, caller, selection.params, dict(selection.norms), False, "eval"
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and _any_requires_grad(args, kwargs):
+        if torch.is_grad_enabled() and _any_requires_grad(
+            args, kwargs, f"Frozen({type(self.module).__name__})"
+        ):
             return self.module(*args, **kwargs)
         with torch.no_grad():
             return self.module(*args, **kwargs)
