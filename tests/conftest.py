@@ -1,5 +1,5 @@
 """Suite-wide guards: every test leaves grad mode on, no isolation handle active, no hook
-behind, and no file outside ``tmp_path``."""
+behind, and no file outside ``tmp_path``; Hypothesis draws the same inputs on every run."""
 
 from __future__ import annotations
 
@@ -10,10 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from isolate import freezing
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The same examples on every run and machine (a failure reproduces from the test id alone),
+# and no example database: nothing is written into the repo. Run with
+# ``--hypothesis-profile=explore`` to search with fresh random inputs instead.
+settings.register_profile("isolate", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", database=None, print_blob=True)
+settings.load_profile("isolate")
 
 
 def _untracked() -> set[str]:
@@ -39,7 +47,7 @@ def _no_files_left_behind() -> Iterator[None]:
         path
         for path in _untracked() - before
         if "__pycache__" not in path
-        and not path.startswith((".venv", ".hypothesis", ".ruff_cache", ".mypy_cache"))
+        and not path.startswith((".venv", ".ruff_cache", ".mypy_cache"))
     }
     assert not created, f"the suite wrote files into the repo: {sorted(created)[:10]}"
 

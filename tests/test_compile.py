@@ -16,23 +16,30 @@ class _ZeroInPlace(nn.Module):
 
 
 class Net(nn.Module):
+    """A trunk, a Detached branch that runs *before* the main head, and the main head.
+
+    The branch runs first, so the head consumes the features after the branch had its chance
+    to edit them: if the branch's edit reached the features, the main output shows it.
+    """
+
     def __init__(self, branch: nn.Module) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.trunk = nn.Linear(4, 4)
-        self.head = isolate.Cloned(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2)))
         self.aux = isolate.Detached(nn.Sequential(branch, nn.Linear(4, 3)))
         self.reverse = isolate.GradientScale(-0.5)
+        self.head = isolate.Cloned(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2)))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         features = self.trunk(x)
-        return self.head(features), self.aux(self.reverse(features))
+        aux = self.aux(self.reverse(features))
+        return self.head(features), aux, features
 
 
-def _grads(model: nn.Module, outputs: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+def _grads(model: Net, outputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     (outputs[0].square().sum() + outputs[1].square().sum()).backward()
-    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    return {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
 
 
 @pytest.fixture(autouse=True)
@@ -41,29 +48,55 @@ def _fresh_dynamo() -> None:
 
 
 @pytest.mark.parametrize("branch", [nn.Identity, _ZeroInPlace])
-def test_wrappers_compile_in_one_graph_and_match_eager(branch: type[nn.Module]) -> None:
+def test_compiled_branch_leaves_the_main_features_intact_and_matches_eager(
+    branch: type[nn.Module],
+) -> None:
     x = torch.randn(6, 4)
     model = Net(branch())
-    features = model.trunk(x).detach()
+
+    # Reference 1: the main path alone, eager, no branch at all.
+    model.zero_grad(set_to_none=True)
+    main_only = model.head(model.trunk(x))
+    main_only.square().sum().backward()
+    main_grads = {
+        n: p.grad.clone()  # type: ignore[union-attr]
+        for n, p in model.named_parameters()
+        if n.startswith(("trunk.", "head."))
+    }
+    clean_features = model.trunk(x).detach()
+
+    # Reference 2: the whole model, eager. An editing branch is refused by the default guard;
+    # with inplace="copy" eager gets the copies that compiled code is documented to get.
     if branch is _ZeroInPlace:
-        with pytest.raises(isolate.InplaceModificationError, match=r"^Detached\(Sequential\)"):
-            model(x)  # eager: the guard catches the edit
-        eager_grads = None
-    else:
-        eager_grads = _grads(model, model(x))
+        with pytest.raises(isolate.InplaceModificationError, match=r"^Detached\(Sequential\): "):
+            model(x)
+    model.aux.inplace = "copy"
+    eager = tuple(t.detach() for t in model(x))
+    eager_grads = _grads(model, model(x))
+    model.aux.inplace = "error"
+
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     outputs = compiled(x)
-    # Compiled code gets copies, so even an editing branch leaves the main features intact.
-    assert torch.equal(model.trunk(x), features)
+
+    # The features the head consumed after the branch ran are the untouched ones.
+    torch.testing.assert_close(outputs[2], clean_features, rtol=0, atol=0)
+    torch.testing.assert_close(outputs[0], main_only.detach())
+    for got, want in zip(outputs, eager, strict=True):
+        torch.testing.assert_close(got, want)
     compiled_grads = _grads(model, outputs)
-    if eager_grads is not None:
-        for a, b in zip(eager_grads, compiled_grads, strict=True):
-            torch.testing.assert_close(a, b)
-    head_only = [p.grad for p in model.trunk.parameters()]
-    model.zero_grad(set_to_none=True)
-    compiled(x)[0].square().sum().backward()
-    for a, b in zip(head_only, model.trunk.parameters(), strict=True):
-        torch.testing.assert_close(a, b.grad)  # the Detached branch adds nothing to the trunk
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, want in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], want, msg=name)
+    # The Detached branch adds nothing upstream: trunk and head get the main loss's gradient.
+    for name, want in main_grads.items():
+        torch.testing.assert_close(compiled_grads[name], want, msg=name)
+    aux_weight = compiled_grads["aux.module.1.weight"]
+    if branch is _ZeroInPlace:
+        # The branch's own edit did take effect, on its own copy: its linear saw zeros.
+        assert torch.equal(aux_weight, torch.zeros_like(aux_weight))
+        assert torch.equal(outputs[1], model.aux.module[1].bias.detach().expand(6, 3))
+    else:
+        assert aux_weight.abs().sum() > 0
 
 
 def test_freeze_inside_a_compiled_function_runs_eagerly() -> None:
