@@ -8,19 +8,35 @@ buffer that something replaced (Lightning's SWA does) is checked by its new valu
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from isolate.branches import RECORD_LIMIT, Branches
+from isolate.distributed import check_ranks, world_size
 from isolate.drift import max_abs_diff
-from isolate.errors import DriftError, GradientLeakError, IsolationError
+from isolate.errors import (
+    DriftError,
+    GradientLeakError,
+    IsolationError,
+    IsolationTypeError,
+    SpecError,
+)
 from isolate.graph import assert_isolated, walk
 from isolate.optimizers import find
 from isolate.plan import Names, Plan, shown
 
-__all__ = ["DriftWatch", "Verification", "check_flags", "check_losses", "check_optimizers"]
+__all__ = [
+    "DriftWatch",
+    "Verification",
+    "check_flags",
+    "check_losses",
+    "check_optimizers",
+    "checked_losses",
+    "run_checks",
+]
 
 
 @dataclass(frozen=True)
@@ -80,9 +96,15 @@ class DriftWatch:
         return out
 
     def check(self, model: nn.Module, when: str, caller: str) -> list[IsolationError]:
+        """A :class:`DriftError` naming what moved, then watch from the new values, so a
+        run that only warns reports each move once."""
         moved = self.changed(model)
         if not moved:
             return []
+        current = {**Names.of(model).params, **Names.of(model).buffers}
+        for name in moved:
+            if name in current:
+                self._saved[name] = current[name].detach().to("cpu", copy=True)
         width = max(len(name) for name in moved)
         lines = [
             f"  {name:<{width}}  ({'buffer' if name in self.buffers else 'parameter'}) "
@@ -213,3 +235,80 @@ def _bypassed(
                 )
             )
     return out
+
+
+def checked_losses(
+    plan: Plan, losses: object, overflow: set[str], caller: str
+) -> Mapping[str, torch.Tensor]:
+    """``losses`` if it is a dict of name -> tensor that covers ``protect``, else a typed error.
+
+    Raises:
+        IsolationTypeError: ``losses`` is not a dict of loss name -> loss tensor.
+        SpecError: ``protect`` names a loss that is missing, or a branch ran more often than
+            its inputs could be recorded (the check could not see what is upstream of it).
+    """
+    if not isinstance(losses, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items()
+    ):
+        raise IsolationTypeError(
+            f"{caller}.verify(): losses must be a dict of loss name -> loss tensor, got {losses!r}"
+        )
+    if plan.protect is not None:
+        missing = sorted(set(plan.protect) - set(losses))
+        if missing:
+            raise SpecError(
+                f"{caller}: protect names the losses {missing}, but verify() got "
+                f"{sorted(losses)}; pass every loss that protect names"
+            )
+    if overflow:
+        raise SpecError(
+            f"{caller}: the detach branches {sorted(overflow)} ran more than {RECORD_LIMIT} "
+            f"times since the last step(), so their inputs were not all recorded and the check "
+            f"cannot see what is upstream of them; call handle.step(epoch=..., step=...) at "
+            f"the start of every training step"
+        )
+    return losses
+
+
+def run_checks(
+    plan: Plan,
+    frozen: Mapping[str, nn.Parameter],
+    losses: Mapping[str, torch.Tensor] | None,
+    branches: Branches,
+    watch: DriftWatch | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    checks: Collection[str],
+    when: str,
+    caller: str,
+) -> tuple[Verification, list[IsolationError]]:
+    """Run the ``checks`` asked for; return what was checked and the violations found."""
+    found: list[IsolationError] = []
+    counts: dict[str, int] = {}
+    if "losses" in checks and losses is not None:
+        counts, leaks = check_losses(
+            plan,
+            frozen,
+            checked_losses(plan, losses, branches.overflow, caller),
+            branches.inputs,
+            when,
+            caller,
+        )
+        found += leaks
+    if "drift" in checks and watch is not None:
+        found += watch.check(plan.model, when, caller)
+    if "flags" in checks:
+        found += check_flags(frozen, when, caller)
+    if "optimizers" in checks:
+        found += check_optimizers(frozen, optimizers, when, caller)
+    ranks = world_size()
+    if "ranks" in checks and ranks > 1:
+        found += check_ranks(Names.of(plan.model).params, when, caller)
+    verification = Verification(
+        losses=counts,
+        drift=len(watch) if "drift" in checks and watch is not None else 0,
+        flags=len(frozen) if "flags" in checks else 0,
+        optimizers=len(optimizers) if "optimizers" in checks else 0,
+        ranks=ranks,
+        violations=tuple(str(e) for e in found),
+    )
+    return verification, found

@@ -13,32 +13,22 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from isolate._tree import iter_tensors
-from isolate._wrapping import Wrapper
-from isolate.checks import DriftWatch, Verification, check_flags, check_losses, check_optimizers
-from isolate.cloning import Cloned
-from isolate.detaching import Detached
-from isolate.distributed import check_ranks, world_size
+from isolate.branches import Branches
+from isolate.checks import (
+    DriftWatch,
+    Verification,
+    run_checks,
+)
 from isolate.errors import (
     CheckpointMismatchError,
-    IsolationError,
     IsolationTypeError,
     IsolationWarning,
     SpecError,
 )
 from isolate.freezing import FreezeHandle
-from isolate.optimizers import (
-    Optimizers,
-    Placement,
-    add_group,
-    as_optimizers,
-    place,
-    risk,
-    take_out,
-)
-from isolate.plan import Group, Names, Plan, resolve, shown
+from isolate.optimizers import OptimizerLink, Optimizers, as_optimizers, place
+from isolate.plan import Plan, resolve, shown
 from isolate.spec import IsolationSpec
 from isolate.state import FORMAT, check_state, plain
 
@@ -46,8 +36,6 @@ __all__ = ["CHECKS", "IsolationHandle", "Optimizers"]
 
 CHECKS = ("losses", "drift", "flags", "optimizers", "ranks")
 """What :meth:`IsolationHandle.verify` can check."""
-
-_RECORD_LIMIT = 64  # calls of one detach branch recorded between two step() calls
 
 
 def _warn(message: str) -> None:
@@ -94,21 +82,11 @@ class IsolationHandle:
         self._freeze: FreezeHandle | None = None
         self._thaws: dict[str, FreezeHandle] = {}
         self._thawed: dict[str, dict[str, int]] = {}  # group -> {"epoch", "global_step"}, in order
-        self._wraps: list[tuple[nn.Module, str, nn.Module, Wrapper]] = []
-        self._hooks: list[RemovableHandle] = []
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._schedulers: list[Any] = []
-        self._placements: dict[str, Placement] = {}
-        self._added: dict[str, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}
-        self._groups_before: list[tuple[torch.optim.Optimizer, list[list[nn.Parameter]]]] = []
+        self._branches = Branches()
+        self._link = OptimizerLink(caller, warn)
         self._watch: DriftWatch | None = None
-        self._inputs: dict[str, list[torch.Tensor]] = {}
-        self._overflow: set[str] = set()
-        self.recording = True
         self.position = {"epoch": 0, "global_step": 0}
         self._active = False
-
-    # ---------------------------------------------------------------- apply and restore
 
     @classmethod
     def apply(
@@ -150,32 +128,10 @@ class IsolationHandle:
                     False,
                     plan.spec.bn,
                 )
-            for w in plan.wraps:
-                wrapper: Wrapper = (
-                    Detached(w.child, name=w.name) if w.kind == "detach" else Cloned(w.child)
-                )
-                setattr(w.parent, w.leaf, wrapper)
-                self._wraps.append((w.parent, w.leaf, w.child, wrapper))
-                if isinstance(wrapper, Detached):
-                    hook = wrapper.register_forward_pre_hook(
-                        self._recorder(w.name), with_kwargs=True
-                    )
-                    self._hooks.append(hook)
+            self._branches.wrap(plan.wraps)
         except BaseException:
             self.restore()
             raise
-
-    def _recorder(self, name: str) -> Callable[..., None]:
-        def record(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if not self.recording:
-                return
-            inputs = self._inputs.setdefault(name, [])
-            if len(inputs) >= _RECORD_LIMIT:
-                self._overflow.add(name)
-                return
-            inputs.extend(t for t in iter_tensors((args, kwargs)) if t.requires_grad)
-
-        return record
 
     @property
     def active(self) -> bool:
@@ -185,32 +141,17 @@ class IsolationHandle:
     def restore(self, *, optimizers: bool = True) -> None:
         """Undo everything: thaws, wrappers, freezing, holds, and (with ``optimizers=True``)
         the optimizer surgery. Flags and modes go back to exactly what they were."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
         for handle in reversed(list(self._thaws.values())):
             if handle.active:
                 handle.restore()
         self._thaws.clear()
-        for parent, leaf, _, wrapper in reversed(self._wraps):
-            if parent._modules.get(leaf) is wrapper:
-                setattr(parent, leaf, wrapper.unwrap())
-            else:
-                wrapper.unwrap()
-        self._wraps.clear()
+        self._branches.unwrap()
         if self._freeze is not None and self._freeze.active:
             self._freeze.restore()
         if optimizers:
-            for opt, groups in self._groups_before:
-                del opt.param_groups[len(groups) :]
-                for group, params in zip(opt.param_groups, groups, strict=True):
-                    group["params"] = params
-        self._groups_before.clear()
-        self._inputs.clear()
+            self._link.restore()
         self._watch = None
         self._active = False
-
-    # ---------------------------------------------------------------- optimizers
 
     def attach(self, optimizers: Optimizers, schedulers: Sequence[Any] = ()) -> None:
         """Take frozen parameters out of ``optimizers`` and plan where thawed groups go.
@@ -224,80 +165,25 @@ class IsolationHandle:
         """
         self._require_active("attach")
         opts = as_optimizers(optimizers, f"{self._caller}.attach()")
-        self._check_norms_present()
-        held, placements = place(self.plan, opts, set(self._thawed), self._caller)
-        self._groups_before = [(o, [list(g["params"]) for g in o.param_groups]) for o in opts]
-        self._optimizers, self._schedulers = opts, list(schedulers)
-        self._placements = placements
-        frozen_ids = {id(p) for p in self.frozen_parameters().values()}
-        exposed = [s for s in held if id(s.param) in frozen_ids]
-        take_out(opts, held)
-        if exposed:
-            self._warn_removed(exposed)
-        for name in self._thawed:
-            self._join(self.plan.group(name), None, None)
-        self._watch = self._new_watch()
-
-    def _warn_removed(self, exposed: Sequence[Any]) -> None:
-        by_group: dict[tuple[int, int], list[str]] = {}
-        for s in exposed:
-            by_group.setdefault((s.opt, s.group), []).append(self.plan.names.name(s.param))
-        lines = [
-            f"  optimizer {oi}, param group {gi} "
-            f"({risk(self._optimizers[oi].param_groups[gi])}): {shown(names)}"
-            for (oi, gi), names in by_group.items()
+        gone = [
+            n
+            for n, m in self.plan.norms.items()
+            if id(m) not in set(map(id, self.plan.model.modules()))
         ]
-        self._warn(
-            f"{self._caller}: took {len(exposed)} frozen parameters out of the optimizers, where "
-            f"a zero gradient with weight decay or momentum could move them; a thaw step adds "
-            f"them back as a new param group:\n"
-            + "\n".join(lines)
-            + "\nTo silence this, build the optimizer from trainable parameters only."
-        )
-
-    def _check_norms_present(self) -> None:
-        if self.plan.spec.bn != "eval":
-            return
-        present = {id(m) for m in self.plan.model.modules()}
-        gone = [n for n, m in self.plan.norms.items() if id(m) not in present]
-        if gone:
+        if gone and self.plan.spec.bn == "eval":
             raise SpecError(
                 f"{self._caller}: {len(gone)} frozen BatchNorm layers were replaced after the "
                 f"spec was applied (sync_batchnorm, or a configure_model hook), so bn='eval' no "
                 f"longer holds them: {shown(gone)}. Build the layers first, or use bn='train'"
             )
-
-    def _join(self, g: Group, optimizer: object, lr: float | None) -> dict[str, Any] | None:
-        if not self._optimizers:
-            return None
-        index = self._placements[g.name].optimizer_idx
-        if optimizer is not None:
-            inner = getattr(optimizer, "optimizer", optimizer)
-            found = [i for i, o in enumerate(self._optimizers) if o is inner]
-            index = optimizer if isinstance(optimizer, int) else (found[0] if found else -1)
-            if not 0 <= index < len(self._optimizers):
-                raise SpecError(
-                    f"{self._caller}: thaw({g.name!r}, optimizer={optimizer!r}): not one of the "
-                    f"{len(self._optimizers)} attached optimizers (an index or the object)"
-                )
-        options = dict(self._placements[g.name].options)
-        if lr is not None:
-            options["lr"] = float(lr)
-        opt = self._optimizers[index]
-        group = add_group(opt, list(g.params.values()), options, self._schedulers)
-        self._added[g.name] = (opt, group)
-        return group
+        self._link.attach(self.plan, opts, schedulers, list(self._thawed), self.frozen_parameters())
+        self._watch = self._new_watch()
 
     def _unthaw(self, name: str) -> None:
-        """Take back a thaw that could not complete (restore's counterpart for one group)."""
+        """Take back a thaw that could not complete."""
         self._thaws.pop(name).restore()
         del self._thawed[name]
-        added = self._added.pop(name, None)
-        if added is not None:
-            opt, group = added
-            opt.param_groups[:] = [g for g in opt.param_groups if g is not group]
-
-    # ---------------------------------------------------------------- the schedule
+        self._link.unjoin(name)
 
     def thaw(
         self, name: str, optimizer: object = None, lr: float | None = None
@@ -336,7 +222,7 @@ class IsolationHandle:
         )
         self._thawed[name] = dict(self.position)
         try:
-            group = self._join(g, optimizer, lr)
+            group = self._link.join(g, optimizer, lr)
         except BaseException:
             self._unthaw(name)
             raise
@@ -358,9 +244,7 @@ class IsolationHandle:
         """
         self._require_active("step")
         self.position = {"epoch": int(epoch), "global_step": int(step)}
-        self._inputs.clear()
-        self._overflow.clear()
-        self.recording = record
+        self._branches.reset(record=record)
         due = self.due(epoch=epoch, step=step)
         for name in due:
             self.thaw(name)
@@ -373,8 +257,6 @@ class IsolationHandle:
         by_epoch = [t for t in pending if t.epoch is not None and epoch >= t.epoch]
         by_step = [t for t in pending if t.step is not None and step >= t.step]
         return [str(t.name) for t in [*by_epoch, *by_step]]
-
-    # ---------------------------------------------------------------- checks
 
     def verify(
         self,
@@ -411,63 +293,22 @@ class IsolationHandle:
                 f"{self._caller}.verify(): unknown checks {unknown}; use {list(CHECKS)}"
             )
         when = when or f"at epoch {self.position['epoch']}, step {self.position['global_step']}"
-        frozen = self.frozen_parameters()
-        found: list[IsolationError] = []
-        counts: dict[str, int] = {}
-        if "losses" in checks and losses is not None:
-            counts, leaks = check_losses(
-                self.plan, frozen, self._checked_losses(losses), self._inputs, when, self._caller
-            )
-            found += leaks
-        drift = 0
-        if "drift" in checks and self._watch is not None:
-            drift = len(self._watch)
-            found += self._watch.check(self.plan.model, when, self._caller)
-            if found:
-                self._watch = self._new_watch()  # with "warn", report each move once
-        if "flags" in checks:
-            found += check_flags(frozen, when, self._caller)
-        if "optimizers" in checks:
-            found += check_optimizers(frozen, self._optimizers, when, self._caller)
-        ranks = world_size()
-        if "ranks" in checks and ranks > 1:
-            found += check_ranks(Names.of(self.plan.model).params, when, self._caller)
+        verification, found = run_checks(
+            self.plan,
+            self.frozen_parameters(),
+            losses,
+            self._branches,
+            self._watch,
+            self._link.optimizers,
+            checks,
+            when,
+            self._caller,
+        )
         if found and on_violation == "raise":
             raise found[0]
         for error in found:
             self._warn(str(error))
-        return Verification(
-            losses=counts,
-            drift=drift,
-            flags=len(frozen) if "flags" in checks else 0,
-            optimizers=len(self._optimizers) if "optimizers" in checks else 0,
-            ranks=ranks,
-            violations=tuple(str(e) for e in found),
-        )
-
-    def _checked_losses(self, losses: object) -> Mapping[str, torch.Tensor]:
-        if not isinstance(losses, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items()
-        ):
-            raise IsolationTypeError(
-                f"{self._caller}.verify(): losses must be a dict of loss name -> loss tensor, "
-                f"got {losses!r}"
-            )
-        if self.plan.protect is not None:
-            missing = sorted(set(self.plan.protect) - set(losses))
-            if missing:
-                raise SpecError(
-                    f"{self._caller}: protect names the losses {missing}, but verify() got "
-                    f"{sorted(losses)}; pass every loss that protect names"
-                )
-        if self._overflow:
-            raise SpecError(
-                f"{self._caller}: the detach branches {sorted(self._overflow)} ran more than "
-                f"{_RECORD_LIMIT} times since the last step(), so their inputs were not all "
-                f"recorded and the check cannot see what is upstream of them; call "
-                f"handle.step(epoch=..., step=...) at the start of every training step"
-            )
-        return losses
+        return verification
 
     def _new_watch(self) -> DriftWatch:
         norms = self.frozen_norms()
@@ -482,8 +323,6 @@ class IsolationHandle:
             else []
         )
         return DriftWatch(self.plan.model, list(self.frozen_parameters()), buffers)
-
-    # ---------------------------------------------------------------- state
 
     @property
     def frozen(self) -> tuple[str, ...]:

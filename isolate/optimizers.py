@@ -7,7 +7,7 @@ new param group, with the settings of the group its parameters came from (or a g
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -17,7 +17,16 @@ from torch import nn
 from isolate.errors import IsolationTypeError, SpecError
 from isolate.plan import Group, Plan, shown
 
-__all__ = ["Optimizers", "Placement", "Slot", "add_group", "as_optimizers", "place", "take_out"]
+__all__ = [
+    "OptimizerLink",
+    "Optimizers",
+    "Placement",
+    "Slot",
+    "add_group",
+    "as_optimizers",
+    "place",
+    "take_out",
+]
 
 Optimizers: TypeAlias = "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None"
 """One optimizer, several, or none."""
@@ -228,3 +237,92 @@ def add_group(
         ):
             base.append(options.get("initial_lr", group["lr"]))
     return group
+
+
+class OptimizerLink:
+    """The optimizers an applied spec is attached to, and what it changed in them."""
+
+    def __init__(self, caller: str, warn: Callable[[str], None]) -> None:
+        self.caller = caller
+        self.warn = warn
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list[Any] = []
+        self.placements: dict[str, Placement] = {}
+        self._before: list[tuple[torch.optim.Optimizer, list[list[nn.Parameter]]]] = []
+        self._added: dict[str, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}
+
+    def attach(
+        self,
+        plan: Plan,
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
+        thawed: Sequence[str],
+        frozen: Mapping[str, nn.Parameter],
+    ) -> None:
+        """Take the frozen parameters out; re-add the groups in ``thawed``, in that order."""
+        held, placements = place(plan, optimizers, set(thawed), self.caller)
+        self._before = [(o, [list(g["params"]) for g in o.param_groups]) for o in optimizers]
+        self.optimizers, self.schedulers = list(optimizers), list(schedulers)
+        self.placements = placements
+        frozen_ids = {id(p) for p in frozen.values()}
+        exposed = [s for s in held if id(s.param) in frozen_ids]
+        take_out(optimizers, held)
+        if exposed:
+            self._warn_removed(plan, exposed)
+        for name in thawed:
+            self.join(plan.group(name), None, None)
+
+    def _warn_removed(self, plan: Plan, exposed: Sequence[Slot]) -> None:
+        by_group: dict[tuple[int, int], list[str]] = {}
+        for s in exposed:
+            by_group.setdefault((s.opt, s.group), []).append(plan.names.name(s.param))
+        lines = [
+            f"  optimizer {oi}, param group {gi} "
+            f"({risk(self.optimizers[oi].param_groups[gi])}): {shown(names)}"
+            for (oi, gi), names in by_group.items()
+        ]
+        self.warn(
+            f"{self.caller}: took {len(exposed)} frozen parameters out of the optimizers, where "
+            f"a zero gradient with weight decay or momentum could move them; a thaw step adds "
+            f"them back as a new param group:\n"
+            + "\n".join(lines)
+            + "\nTo silence this, build the optimizer from trainable parameters only."
+        )
+
+    def join(self, g: Group, optimizer: object, lr: float | None) -> dict[str, Any] | None:
+        """Add thaw group ``g`` to its optimizer (or ``optimizer``: an index or the object)."""
+        if not self.optimizers:
+            return None
+        index = self.placements[g.name].optimizer_idx
+        if optimizer is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            found = [i for i, o in enumerate(self.optimizers) if o is inner]
+            index = optimizer if isinstance(optimizer, int) else (found[0] if found else -1)
+            if not 0 <= index < len(self.optimizers):
+                raise SpecError(
+                    f"{self.caller}: thaw({g.name!r}, optimizer={optimizer!r}): not one of the "
+                    f"{len(self.optimizers)} attached optimizers (an index or the object)"
+                )
+        options = dict(self.placements[g.name].options)
+        if lr is not None:
+            options["lr"] = float(lr)
+        opt = self.optimizers[index]
+        group = add_group(opt, list(g.params.values()), options, self.schedulers)
+        self._added[g.name] = (opt, group)
+        return group
+
+    def unjoin(self, name: str) -> None:
+        """Take the param group added for ``name`` out again."""
+        added = self._added.pop(name, None)
+        if added is not None:
+            opt, group = added
+            opt.param_groups[:] = [g for g in opt.param_groups if g is not group]
+
+    def restore(self) -> None:
+        """Put every param group back as it was at :meth:`attach`."""
+        for opt, groups in self._before:
+            del opt.param_groups[len(groups) :]
+            for group, params in zip(opt.param_groups, groups, strict=True):
+                group["params"] = params
+        self._before.clear()
+        self._added.clear()

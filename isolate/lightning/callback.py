@@ -49,17 +49,12 @@ class IsolationCallback(Callback):
     """Freeze, detach, clone and thaw by name, and check while training that isolation holds.
 
     A thin adapter over :class:`isolate.IsolationSpec`: ``setup("fit")`` applies the spec
-    (before ``configure_optimizers`` and before DDP wraps the model), ``on_fit_start``
-    attaches the optimizers (frozen parameters out, thaw groups planned), every training
-    batch runs the thaw schedule, and every ``verify_every_n_steps`` optimizer steps the
-    handle's :meth:`~isolate.engine.IsolationHandle.verify` checks reach, drift, flags,
-    optimizers and ranks. ``teardown`` and ``on_exception`` undo everything.
-
-    What it adds to the engine: a thaw under DDP wraps the model again (the new wrapper
-    broadcasts rank 0's state) and checks after the next step that ranks agree; gradient norms
-    per group go to the trainer's loggers as ``isolation/grad_norm/<group>``; the spec's state
-    goes into checkpoints (plain types, by parameter name), and a resume thaws what was thawed
-    before DDP wraps the model.
+    (before ``configure_optimizers`` and DDP), ``on_fit_start`` attaches the optimizers, each
+    batch runs the thaw schedule, and every ``verify_every_n_steps`` optimizer steps
+    :meth:`~isolate.engine.IsolationHandle.verify` checks reach, drift, flags, optimizers and
+    ranks. It adds: DDP rebuilt after a thaw, gradient norms per group in the loggers
+    (``isolation/grad_norm/<group>``), the spec's state in checkpoints (a resume thaws what
+    was thawed, before DDP wraps the model); ``teardown`` and ``on_exception`` undo it all.
 
     **Naming losses.** ``training_step`` leaves the losses to check in
     ``self.isolation_losses``, a dict of name -> loss tensor, set every step (holding
@@ -91,34 +86,21 @@ class IsolationCallback(Callback):
             (``on_violation="raise"``).
 
     Note:
-        Traps it handles, and the ones it cannot:
+        Traps it handles, and the ones it cannot (the engine's own are in
+        :class:`~isolate.engine.IsolationHandle`):
 
-        * BatchNorm running statistics ignore ``requires_grad``, and Lightning calls
-          ``model.train()`` every epoch and resets ``training`` flags after validation by
-          assignment; ``bn="eval"`` enforces eval mode in a forward pre-hook instead (so
-          Lightning's "Found N module(s) in eval mode" warning at fit start is expected).
-        * Optimizers move parameters whose ``.grad`` is a zero tensor (weight decay,
-          momentum): frozen parameters are taken out of the optimizers, and a thawed group
-          is added by identity, exactly once (Lightning's ``BaseFinetuning`` compares values,
-          so it skips a parameter equal to one already there).
+        * Lightning calls ``model.train()`` every epoch and resets ``training`` flags after
+          validation by assignment; ``bn="eval"`` holds BatchNorm layers in a forward
+          pre-hook instead (so Lightning's "Found N module(s) in eval mode" warning at fit
+          start is expected). ``sync_batchnorm=True`` replaces the layers after setup, which
+          would drop the hold: it is refused at fit start.
         * DDP synchronises only the parameters that required grad when it was built; a thaw
-          under DDP wraps the model again. ``sync_batchnorm=True`` replaces BatchNorm layers
-          after setup, which would drop the eval-mode hold: with ``bn="eval"`` and frozen
-          BatchNorm layers it is refused at fit start.
-        * Global-norm gradient clipping (``gradient_clip_val``) couples detached branches to
-          the rest: their gradient enters the clipping factor (warned about at fit start).
-        * A submodule reached by another reference (an alias attribute, ``self.aux.module``)
-          bypasses the wrapper: aliases registered on the model are refused, and a named
-          loss that reaches a ``detach`` branch whose wrapper did not run is a violation.
-        * LR schedulers learn of a new group only through ``base_lrs`` (appended); those
-          with other per-group state (``LambdaLR``'s lambdas, ``OneCycleLR``) do not schedule
-          it.
+          under DDP wraps the model again, then checks that all ranks agree.
+        * Global-norm gradient clipping couples detached branches to the rest (warned).
         * One ``IsolationCallback`` per Trainer: its checkpoint state has a fixed key.
         * A resume repeats the uninterrupted run bit for bit only if the checkpoint holds all
-          its state, and Lightning's holds neither the global RNG (dropout) nor a plain
-          DataLoader's position: mid-epoch, Lightning iterates the loader from its start
-          again. Give the train loader ``state_dict`` / ``load_state_dict`` and checkpoint
-          the RNG, or resume from epoch ends.
+          its state; Lightning's holds neither the global RNG (dropout) nor a plain
+          DataLoader's position. Resume from epoch ends, or checkpoint those too.
 
     >>> callback = IsolationCallback(
     ...     freeze=["trunk"], detach=["probe"], thaw=[Thaw("trunk", epoch=2, lr=1e-3)]
@@ -160,7 +142,7 @@ class IsolationCallback(Callback):
             }.items()
             if v != _DEFAULTS[k]
         }
-        self.spec = self._spec(spec, keywords)
+        self.spec = _spec(spec, keywords)
         if (
             isinstance(verify_every_n_steps, bool)
             or not isinstance(verify_every_n_steps, int)
@@ -184,25 +166,6 @@ class IsolationCallback(Callback):
         self._verify_step = -1
         self._losses_seen = False
         self._pending_rank_check: str | None = None
-
-    @staticmethod
-    def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
-        if spec is not None:
-            if not isinstance(spec, IsolationSpec):
-                raise SpecError(
-                    f"{_CALLER}: spec must be an isolate.IsolationSpec, got {type(spec).__name__}"
-                    f"; for a mapping use IsolationSpec.from_dict(...)"
-                )
-            if keywords:
-                raise SpecError(
-                    f"{_CALLER}: give spec= or the spec's keywords {sorted(keywords)}, not both"
-                )
-            return spec
-        try:
-            return IsolationSpec(**keywords)
-        except SpecError as error:  # name what the user called
-            message = str(error).replace("IsolationSpec:", f"{_CALLER}:", 1)
-            raise SpecError(message) from None
 
     freeze = property(lambda self: self.spec.freeze, doc="The spec's ``freeze`` selectors.")
     detach = property(lambda self: self.spec.detach, doc="The spec's ``detach`` branches.")
@@ -263,23 +226,8 @@ class IsolationCallback(Callback):
         except IsolationError:
             self._restore()
             raise
-        self._warn_on_norm_clipping(trainer)
+        _warn_on_norm_clipping(trainer, self.spec.detach)
         self._check(("ranks",), "at fit start")
-
-    def _warn_on_norm_clipping(self, trainer: pl.Trainer) -> None:
-        # The clip factor is computed from the norm of *all* gradients, so a detached
-        # branch's gradient rescales the trunk's: the branch leaks into the trunk's update.
-        algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
-        if self.spec.detach and trainer.gradient_clip_val and algorithm.endswith("norm"):
-            rank_zero_warn(
-                f"{_CALLER}: gradient_clip_val={trainer.gradient_clip_val} clips by the global "
-                f"norm, which includes the gradients of the detached branches "
-                f"{list(self.spec.detach)}: their gradient changes the factor applied to every "
-                f"other parameter, so isolation does not hold for the update. Clip per group "
-                f"instead (override configure_gradient_clipping), or use "
-                f"gradient_clip_algorithm='value'",
-                category=IsolationWarning,
-            )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Thaw the groups due at this epoch."""
@@ -331,27 +279,11 @@ class IsolationCallback(Callback):
         """Check the named losses while their graph is alive (a walk, no backward)."""
         if self.handle is None:
             return
-        losses = getattr(pl_module, LOSSES_ATTRIBUTE, None)
-        if losses is not None:
-            setattr(pl_module, LOSSES_ATTRIBUTE, {})
+        losses = _take_losses(pl_module)
         if not self._verify_now or not losses:
             return
-        if not isinstance(losses, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items()
-        ):
-            raise IsolationTypeError(
-                f"{_CALLER}: {type(pl_module).__name__}.{LOSSES_ATTRIBUTE} must be a dict of "
-                f"loss name -> loss tensor, got {losses!r}"
-            )
+        _check_named(pl_module, losses, self.spec.protect)
         self._losses_seen = True
-        missing = sorted(set(self.spec.protect or {}) - set(losses))
-        if missing:
-            raise SpecError(
-                f"{_CALLER}: protect names the losses {missing}, but "
-                f"{type(pl_module).__name__}.training_step set {LOSSES_ATTRIBUTE} with "
-                f"{sorted(losses)}; set self.{LOSSES_ATTRIBUTE} = {{'name': loss, ...}} in "
-                f"training_step, with the names used in protect"
-            )
         self._check(("losses",), f"at step {trainer.global_step}", losses)
 
     def on_before_optimizer_step(
@@ -434,3 +366,66 @@ class IsolationCallback(Callback):
         except IsolationError:
             self._restore()
             raise
+
+
+def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
+    if spec is not None:
+        if not isinstance(spec, IsolationSpec):
+            raise SpecError(
+                f"{_CALLER}: spec must be an isolate.IsolationSpec, got {type(spec).__name__}"
+                f"; for a mapping use IsolationSpec.from_dict(...)"
+            )
+        if keywords:
+            raise SpecError(
+                f"{_CALLER}: give spec= or the spec's keywords {sorted(keywords)}, not both"
+            )
+        return spec
+    try:
+        return IsolationSpec(**keywords)
+    except SpecError as error:  # name what the user called
+        message = str(error).replace("IsolationSpec:", f"{_CALLER}:", 1)
+        raise SpecError(message) from None
+
+
+def _warn_on_norm_clipping(trainer: pl.Trainer, detach: tuple[str, ...]) -> None:
+    # The clip factor is computed from the norm of *all* gradients, so a detached
+    # branch's gradient rescales the trunk's: the branch leaks into the trunk's update.
+    algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
+    if detach and trainer.gradient_clip_val and algorithm.endswith("norm"):
+        rank_zero_warn(
+            f"{_CALLER}: gradient_clip_val={trainer.gradient_clip_val} clips by the global "
+            f"norm, which includes the gradients of the detached branches "
+            f"{list(detach)}: their gradient changes the factor applied to every "
+            f"other parameter, so isolation does not hold for the update. Clip per group "
+            f"instead (override configure_gradient_clipping), or use "
+            f"gradient_clip_algorithm='value'",
+            category=IsolationWarning,
+        )
+
+
+def _take_losses(pl_module: pl.LightningModule) -> Any:
+    """The named losses ``training_step`` left, cleared so that each is read once."""
+    losses = getattr(pl_module, LOSSES_ATTRIBUTE, None)
+    if losses is not None:
+        setattr(pl_module, LOSSES_ATTRIBUTE, {})
+    return losses
+
+
+def _check_named(
+    pl_module: pl.LightningModule, losses: object, protect: Mapping[str, Any] | None
+) -> None:
+    if not isinstance(losses, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items()
+    ):
+        raise IsolationTypeError(
+            f"{_CALLER}: {type(pl_module).__name__}.{LOSSES_ATTRIBUTE} must be a dict of "
+            f"loss name -> loss tensor, got {losses!r}"
+        )
+    missing = sorted(set(protect or {}) - set(losses))
+    if missing:
+        raise SpecError(
+            f"{_CALLER}: protect names the losses {missing}, but "
+            f"{type(pl_module).__name__}.training_step set {LOSSES_ATTRIBUTE} with "
+            f"{sorted(losses)}; set self.{LOSSES_ATTRIBUTE} = {{'name': loss, ...}} in "
+            f"training_step, with the names used in protect"
+        )
