@@ -8,6 +8,9 @@ One run (``configs/presets/base.yaml`` is loaded first, then each ``--config`` i
 The suite, which runs every variant and writes the report (see :mod:`experiments.suite`)::
 
     python -m experiments suite [--output outputs/suite] [--quick] [--ddp]
+
+``python -m experiments --help`` lists both. A missing or corrupt dataset is reported in one
+line with the flag to pass, and exit status 1.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch to the suite or to LightningCLI; returns the exit status."""
+    from experiments.cli import cli_main, report_data_errors
+
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["suite"]:
         from experiments.suite import main as suite_main
 
-        return suite_main(args[1:])
-    from experiments.cli import cli_main
+        return report_data_errors(lambda: suite_main(args[1:]))
 
-    # None lets LightningCLI read sys.argv itself, as DDP's relaunch of this command expects.
-    cli_main(None if argv is None else args)
-    return 0
+    def one_run() -> int:
+        # None lets LightningCLI read sys.argv itself, as DDP's relaunch of this command expects.
+        cli_main(None if argv is None else args)
+        return 0
+
+    return report_data_errors(one_run)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The command line of the experiments: LightningCLI for one run, and the data root default.
+"""The command line of the experiments: LightningCLI for one run, with ``suite`` beside it.
 
 One run (``configs/presets/base.yaml`` is loaded first, then each ``--config`` in order)::
 
@@ -9,25 +9,34 @@ The suite, which runs every variant and writes the report (see :mod:`experiments
 
     python -m experiments suite [--output outputs/suite] [--quick] [--ddp]
 
+A run logs its metrics (per step and per epoch) with the logger of ``trainer.logger``, a
+``CSVLogger`` by default, in ``<trainer.default_root_dir>/<run name>/version_<n>/``; after
+``fit`` it evaluates the test split with ``trainer.test``. ``--threads`` (default 1, as in
+the suite) sets torch's thread count: the last bits of the results depend on it.
+
 MNIST is read from ``--data.data_root`` if given, else from ``ISOLATE_DATA_ROOT``, else from
 ``../shared/data`` (next to the repository) when that folder exists, else it is downloaded by
-torchvision. A data root that already holds the official test split is used as it is: the
-datamodule's default ``download=None`` would try the network for the training split at every
-run, so the CLI makes it ``False`` there (``--data.download=true`` fetches the training split).
-The data root is passed on relative to the working directory when it lies below or beside it
-(see :func:`display_path`), so that what a run records names no folder of this machine.
+torchvision (see :func:`resolve_data_root`). The data root is passed on relative to the
+working directory when it lies below or beside it (see :func:`display_path`), so that what a
+run records names no folder of this machine.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import logging
 import os
+import re
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from experiments.data import ENV_DATA_ROOT, TEST_FILES, MNISTDataModule
@@ -36,14 +45,18 @@ from experiments.recording import Recorder
 __all__ = [
     "BASE_PRESET",
     "CONFIGS",
+    "PROG",
     "REPO",
     "ExperimentCLI",
+    "ExperimentParser",
     "cli_main",
     "default_data_root",
     "display_path",
     "has_test_split",
+    "resolve_data_root",
 ]
 
+PROG = "python -m experiments"
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 BASE_PRESET = CONFIGS / "presets" / "base.yaml"
@@ -101,6 +114,35 @@ def has_test_split(data_root: str | os.PathLike[str], dataset: str = "mnist") ->
     return all((raw / name).is_file() or (raw / f"{name}.gz").is_file() for name in TEST_FILES)
 
 
+def resolve_data_root(
+    data_root: str | None, download: bool | None, dataset: str = "mnist"
+) -> tuple[str | None, bool | None]:
+    """The data root a run reads, as it is shown and passed on, and the ``download`` to use.
+
+    The one policy of the CLI and the suite: ``data_root`` if given, else ``ISOLATE_DATA_ROOT``,
+    else ``../shared/data`` beside the repository (:func:`default_data_root`); ``None`` leaves
+    the datamodule's own default. A data root that already holds the official test split is
+    used as it is: the datamodule's ``download=None`` would try the network for the training
+    split at every run (and wait on a timeout where packets are dropped), so it becomes
+    ``False`` there; ``download=True`` still fetches the training split.
+
+    Args:
+        data_root: the data root given on the command line, or ``None``.
+        download: the ``download`` given, or ``None``.
+        dataset: ``"mnist"`` or ``"fashion_mnist"``.
+
+    Returns:
+        ``(root, download)``, the root relative to the working directory when it lies below or
+        beside it (:func:`display_path`), so that the records name no folder of this machine.
+    """
+    root = data_root or os.environ.get(ENV_DATA_ROOT) or default_data_root()
+    if root is None:
+        return None, download
+    if download is None and has_test_split(root, dataset):
+        download = False
+    return display_path(root), download
+
+
 def quiet_known_noise() -> None:
     """Silence the warnings every run here would print and that say nothing about it."""
     # The data are in-memory tensors: worker processes would only add start-up time.
@@ -113,17 +155,143 @@ def quiet_known_noise() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def variant_names() -> list[str]:
+    """The stems of ``configs/*.yaml``: the variants a run or the suite can start from."""
+    return sorted(path.stem for path in CONFIGS.glob("*.yaml"))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors: one short message with the fix, not the whole usage
+
+
+def _short(message: str) -> str:
+    """The part of a jsonargparse message that names the culprit.
+
+    A config value that fails inside a ``class_path`` comes wrapped in the list of every type
+    the value could have had; only the class's own complaint says what is wrong.
+    """
+    found = re.search(r"Problem with given class_path '([\w.]+)':\n((?:\s{6,}.*\n?)+)", message)
+    if not found:
+        return message.strip()
+    inner = " ".join(line.strip() for line in found.group(2).splitlines() if line.strip())
+    key = re.match(r'Parser key "([\w.]+)"', message)
+    where = f"{key.group(1)} ({found.group(1)})" if key else found.group(1)
+    return f"{where}: {inner}"
+
+
+def _parameters(class_path: str) -> list[str]:
+    """The ``__init__`` parameters of ``class_path``, for "did you mean"; ``[]`` if unknown."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+
+
+def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=2, cutoff=0.75)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _options(parser: Any) -> list[str]:
+    return [a.dest for a in getattr(parser, "_actions", []) if a.dest and a.dest != "help"]
+
+
+def _explain(message: str, parser: Any) -> str:
+    """``message`` shortened, with a "did you mean" or the flag that fixes it where one fits."""
+    short = _short(message)
+    # A key in a config file that the class does not take (a typo, mostly).
+    option = re.search(r"Option '(\w+)' is not accepted", short)
+    class_path = re.search(r"\(([\w.]+)\)|^([\w.]+):", short)
+    if option and class_path:
+        path = class_path.group(1) or class_path.group(2)
+        return f"{short}{_did_you_mean(option.group(1), _parameters(path))}"
+    # An option (or config key) the parser does not know.
+    unknown = re.search(
+        r"does not accept option '([\w.]+)'|Option '([\w.]+)' is not accepted", short
+    )
+    if unknown:
+        word = unknown.group(1) or unknown.group(2)
+        return f"{short}{_did_you_mean(word, _options(parser))}"
+    choice = re.search(r"invalid choice: '([\w.-]+)' \(choose from (.*)\)", short)
+    if choice:
+        choices = re.findall(r"'([^']+)'", choice.group(2))
+        return f"{short}{_did_you_mean(choice.group(1), choices)}"
+    required = re.search(r"required: (\w+)\.model\b", short)
+    if required:
+        sub = required.group(1)
+        return (
+            f"{sub} needs a model: pass a variant's config, e.g. "
+            f"{PROG} {sub} --config configs/detached.yaml "
+            f"(variants in configs/: {', '.join(variant_names())})"
+        )
+    return short
+
+
+class ExperimentParser(LightningArgumentParser):
+    """LightningCLI's parser, with errors as one short message instead of 40 lines of usage.
+
+    The message names the culprit, adds a "did you mean" for a misspelt key or option and the
+    flag to pass for a missing model, and points at ``--help`` for the full usage.
+    """
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {_explain(message, parser)}\n")
+        sys.stderr.write(f"See '{prog} --help' for every option.\n")
+        self.exit(2)
+
+
 class ExperimentCLI(LightningCLI):
     """LightningCLI over :class:`~experiments.data.MNISTDataModule` and any LightningModule.
 
     Adds a :class:`~experiments.recording.Recorder` callback under ``--record.*`` (its
-    ``name`` defaults to the stem of the last ``--config`` file outside ``presets/``), the
-    default data root, and ``download=False`` for a data root that holds the test split
-    already (see the module docstring).
+    ``name`` defaults to the stem of the last ``--config`` file outside ``presets/``),
+    ``--threads``, the ``variant:`` block of the config files (the suite's declaration, which
+    a run ignores), the data-root policy of :func:`resolve_data_root`, the logger's folder
+    (``trainer.default_root_dir``, under the run's name), ``trainer.test`` after ``fit``, and
+    the ``suite`` subcommand to ``--help``.
     """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("prog", PROG)
+        kwargs.setdefault(
+            "description",
+            "The MNIST isolation experiments: one run of a variant (fit, validate, test, "
+            "predict; e.g. fit --config configs/detached.yaml), or the suite of all of them.",
+        )
+        return super().init_parser(**kwargs)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        from experiments.suite import DESCRIPTION, build_parser
+
+        # Listed beside fit and the rest; `python -m experiments suite` runs it
+        # (experiments/__main__.py), since it is many runs, not one Trainer call.
+        subcommands = parser._subcommands_action
+        if subcommands is not None:
+            subcommands.add_subcommand("suite", build_parser(), help=DESCRIPTION)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(Recorder, "record")
+        parser.add_argument(
+            "--threads",
+            type=int | None,
+            default=1,
+            help="torch threads, and OMP_NUM_THREADS for processes the run starts (DDP); the "
+            "last bits of the results depend on it. null keeps torch's default",
+        )
+        parser.add_argument(
+            "--variant",
+            type=dict[str, Any | None],
+            default=None,
+            help="the suite's declaration of a variant (role, claims, report); a run ignores it",
+        )
+        parser.link_arguments("trainer.default_root_dir", "trainer.logger.init_args.save_dir")
         root = default_data_root()
         if root is not None:
             # That folder holds only the official test split, on purpose: read it, and do not
@@ -133,17 +301,26 @@ class ExperimentCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         data = config.data
-        root = data.data_root or os.environ.get(ENV_DATA_ROOT)
-        if root:
-            data.data_root = display_path(root)
-            # download=None would try the network at every run for the training split, and
-            # wait on a timeout where packets are dropped; data on disk were put there to be used.
-            if data.download is None and has_test_split(root, data.dataset):
-                data.download = False
+        data.data_root, data.download = resolve_data_root(
+            data.data_root, data.download, data.dataset
+        )
         configs = [Path(str(c)) for c in config.get("config") or []]
         variants = [c for c in configs if c.parent.name != "presets"] or configs
         if config.record.name == "run" and variants:
             config.record.name = variants[-1].stem
+        logger = config.trainer.get("logger")
+        init_args = getattr(logger, "init_args", None)
+        if init_args is not None and init_args.get("name") == "lightning_logs":
+            init_args.name = config.record.name  # one folder per variant, not all in one
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+            # Else a DDP launch gives each process cores // processes threads.
+            os.environ["OMP_NUM_THREADS"] = str(config.threads)
+
+    def after_fit(self) -> None:
+        """The test split through ``trainer.test``, after a ``fit`` that finished."""
+        if not self.trainer.interrupted:
+            self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
 
 
 def cli_main(args: Sequence[str] | None = None, *, run: bool = True) -> ExperimentCLI:
@@ -159,7 +336,8 @@ def cli_main(args: Sequence[str] | None = None, *, run: bool = True) -> Experime
         The :class:`ExperimentCLI`, with ``.model``, ``.datamodule`` and ``.trainer``.
 
     Note:
-        Silences known noise for the whole process (:func:`quiet_known_noise`).
+        Silences known noise for the whole process (:func:`quiet_known_noise`), and sets the
+        process's torch thread count (``--threads``).
     """
     quiet_known_noise()
     if args is not None:
@@ -177,6 +355,33 @@ def cli_main(args: Sequence[str] | None = None, *, run: bool = True) -> Experime
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
         parser_kwargs=kwargs,
+        parser_class=ExperimentParser,
         args=list(args) if args is not None else None,
         run=run,
     )
+
+
+def data_error_types() -> tuple[type[BaseException], ...]:
+    """The exceptions of the data module that a command reports in one line."""
+    from experiments import data
+
+    base = getattr(data, "DataError", None)
+    if isinstance(base, type):
+        return (base,)
+    return tuple(getattr(data, n) for n in ("DataNotFoundError", "DataCorruptError"))
+
+
+def report_data_errors(run: Callable[[], int]) -> int:
+    """Run ``run``; a data error becomes one message with the flags to pass, and status 1."""
+    try:
+        return run()
+    except data_error_types() as error:
+        message = str(error).strip()
+        hint = ""
+        if "--data." not in message:
+            hint = (
+                "\nPass --data.data_root=<folder holding MNIST/raw>, or --data.download=true "
+                "to fetch it."
+            )
+        sys.stderr.write(f"{PROG}: data error: {message}{hint}\n")
+        return 1

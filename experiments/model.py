@@ -264,12 +264,14 @@ class IsolationNet(pl.LightningModule):
         total = losses["main"]
         for name, spec in self.specs.items():
             total = total + spec.weight * losses[name]
+        # Training metrics per step and per epoch (``*_step``, ``*_epoch`` in the logger),
+        # validation and test per epoch; epoch values are averaged over processes under DDP.
         on_step = stage == "train"
         log: dict[str, Any] = {
             "on_step": on_step,
-            "on_epoch": not on_step,
+            "on_epoch": True,
             "batch_size": len(labels),
-            "sync_dist": not on_step,
+            "sync_dist": True,
         }
         self.log(f"{stage}/loss", total, prog_bar=on_step, **log)
         for name, logits in outputs.items():
@@ -315,35 +317,7 @@ class IsolationNet(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
-    # -- evaluation for reports -------------------------------------------------------------
-
-    @torch.no_grad()
-    def evaluate(self, loader: DataLoader[tuple[torch.Tensor, ...]]) -> dict[str, float]:
-        """Accuracy of the main head and of every branch on ``loader``, in eval mode.
-
-        The module's training flags are put back afterwards.
-        """
-        modes = {m: m.training for m in self.modules()}
-        self.eval()
-        correct: dict[str, int] = {}
-        seen = 0
-        try:
-            for images, labels in loader:
-                images, labels = images.to(self.device), labels.to(self.device)
-                features = self.trunk(images)
-                outputs = {"main": self.head(features)}
-                targets = {"main": labels}
-                for name, spec in self.specs.items():
-                    outputs[name] = self.branches[name](features)
-                    targets[name] = branch_target(spec, images, labels)
-                for name, logits in outputs.items():
-                    hits = int((logits.argmax(dim=1) == targets[name]).sum())
-                    correct[name] = correct.get(name, 0) + hits
-                seen += len(labels)
-        finally:
-            for module, mode in modes.items():
-                module.training = mode
-        return {f"acc/{name}": hits / max(seen, 1) for name, hits in correct.items()}
+    # -- for reports ----------------------------------------------------------------------
 
     def chance(self, loader: DataLoader[tuple[torch.Tensor, ...]]) -> dict[str, float]:
         """The accuracy of always guessing the most frequent class, per output, on ``loader``."""

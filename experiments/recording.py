@@ -8,17 +8,18 @@ numbers come out of an in-process run and of a run under DDP in subprocesses:
 * per step, how far the trunk (parameters *and* buffers, BatchNorm statistics included) has
   drifted from where it started;
 * at the first step, which parameters each loss can reach (:func:`reachable_parameters`);
-* the metrics the module logs, and at the end the accuracies on the test split;
+* the metrics the module logs (the logger has them too), and the accuracies that
+  ``trainer.test`` measures on the test split after ``fit``;
 * an exception that stopped the run, by type and message.
 
 The result is ``run.json`` in ``output`` (plus ``trunk.pt``, the trunk's final state, and, with
-``save_grads``, ``grads.pt``), written by the process of global rank 0.
+``save_grads``, ``grads.pt``), written by the process of global rank 0 at the end of ``fit``
+and again, with the test accuracies, at the end of ``trainer.test``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from experiments.formats import jsonable
 from isolate import reachable_parameters
 from isolate.drift import max_abs_diff, snapshot
 
@@ -97,7 +99,7 @@ class Recorder(pl.Callback):
         return {
             key.removeprefix(prefix): _float(value)
             for key, value in trainer.callback_metrics.items()
-            if key.startswith(prefix) and not key.endswith("_epoch")
+            if key.startswith(prefix) and not key.endswith(("_step", "_epoch"))
         }
 
     # -- hooks ------------------------------------------------------------------------------
@@ -116,7 +118,7 @@ class Recorder(pl.Callback):
             "name": self.name,
             "status": "running",
             "model": type(pl_module).__name__,
-            "hparams": _jsonable(dict(pl_module.hparams)),
+            "hparams": jsonable(dict(pl_module.hparams)),
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
             "max_steps": trainer.max_steps,
@@ -218,6 +220,19 @@ class Recorder(pl.Callback):
         self.record["status"] = "ok"
         self._finish(trainer, pl_module)
 
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.record.get("status") != "ok":  # a test without a fit: nothing to add to
+            return
+        metrics = self._metrics(trainer, "test/")
+        self.record["test"] = {k: v for k, v in metrics.items() if "acc" in k}
+        datamodule = trainer.datamodule
+        if datamodule is not None and hasattr(pl_module, "chance"):
+            self.record["chance"] = pl_module.chance(datamodule.test_dataloader())
+        if trainer.is_global_zero and self.output is not None:
+            self._write_record(self.output)
+        if self.verbose and trainer.is_global_zero:
+            print(summary_line(self.record), flush=True)
+
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
@@ -225,13 +240,11 @@ class Recorder(pl.Callback):
             return
         self.record["status"] = "error"
         self.record["error"] = {"type": type(exception).__name__, "message": str(exception)}
-        self._finish(trainer, pl_module, evaluate=False)
+        self._finish(trainer, pl_module)
 
     # -- the end ----------------------------------------------------------------------------
 
-    def _finish(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, evaluate: bool = True
-    ) -> None:
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         record = self.record
         record["seconds"] = time.perf_counter() - self._start
         record["steps"] = trainer.global_step
@@ -243,15 +256,9 @@ class Recorder(pl.Callback):
             }
             record["drift_final"]["moved"] = changed
             record["drift_final"]["checked"] = list(self._snapshot.names)
-        datamodule = trainer.datamodule
-        if evaluate and datamodule is not None and hasattr(pl_module, "evaluate"):
-            loader = datamodule.test_dataloader()
-            record["test"] = pl_module.evaluate(loader)
-            if hasattr(pl_module, "chance"):
-                record["chance"] = pl_module.chance(loader)
         if trainer.is_global_zero and self.output is not None:
             self._write(self.output, pl_module)
-        if self.verbose and trainer.is_global_zero:
+        if self.verbose and trainer.is_global_zero and record["status"] != "ok":
             print(summary_line(record), flush=True)
 
     def _write(self, output: Path, pl_module: pl.LightningModule) -> None:
@@ -262,9 +269,13 @@ class Recorder(pl.Callback):
             torch.save(state, output / TRUNK_FILE)
         if self.save_grads and self._grads:
             torch.save(torch.stack(self._grads), output / GRADS_FILE)
+        self._write_record(output)
+
+    def _write_record(self, output: Path) -> None:
+        output.mkdir(parents=True, exist_ok=True)
         path = output / RUN_FILE
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_jsonable(self.record), indent=1))
+        tmp.write_text(json.dumps(jsonable(self.record), indent=1))
         tmp.replace(path)
 
 
@@ -276,7 +287,10 @@ def summary_line(record: dict[str, Any]) -> str:
         message = str(error.get("message", "")).split(";")[0]
         return " ".join([*parts, f"stopped by {error.get('type')}: {message}"])
     test = record.get("test") or {}
-    parts += [f"{key.removeprefix('acc/')} acc {value:.3f}" for key, value in test.items()]
+    parts += [
+        f"{key.removeprefix('acc/').removesuffix('_acc')} acc {value:.3f}"
+        for key, value in test.items()
+    ]
     deltas = [d for d in record.get("grad_delta") or [] if d is not None]
     if deltas:
         parts.append(f"trunk grad max|Δ| vs reference {max(deltas):.3g} over {len(deltas)} steps")
@@ -323,18 +337,3 @@ def _seed() -> int | None:
     value = os.environ.get("PL_GLOBAL_SEED")
     return int(value) if value is not None else None
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return _jsonable(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if hasattr(value, "__dataclass_fields__"):
-        return {f: _jsonable(getattr(value, f)) for f in value.__dataclass_fields__}
-    return repr(value)

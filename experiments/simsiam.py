@@ -9,7 +9,8 @@ near ``1 / sqrt(dim)`` when the output spreads over the unit sphere).
 
 :class:`SimSiam` logs that standard deviation every step (``train/z_std``) and, at every
 validation, the accuracy of a k-nearest-neighbour classifier on the encoder's features with
-the training images as the memory bank (``val/knn_acc``), the paper's monitor.
+the training images as the memory bank (``val/knn_acc``), the paper's monitor; ``trainer.test``
+measures the same on the test split (``test/knn_acc``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
 
 import isolate
 from experiments.model import make_trunk
@@ -136,9 +136,11 @@ class SimSiam(pl.LightningModule):
         t1, t2 = isolate.stop_gradient((z1, z2)) if self.stop_gradient else (z1, z2)
         loss = -(F.cosine_similarity(p1, t2).mean() + F.cosine_similarity(p2, t1).mean()) / 2
         std = normalized_std(z1)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        self.log("train/z_std", std, prog_bar=True, on_step=True, on_epoch=False)
-        self.log("train/z_std_ref", 1 / math.sqrt(z1.shape[1]), on_step=True, on_epoch=False)
+        # Per step and per epoch (``*_step``, ``*_epoch`` in the logger).
+        log: dict[str, Any] = {"on_step": True, "on_epoch": True, "sync_dist": True}
+        self.log("train/loss", loss, prog_bar=True, **log)
+        self.log("train/z_std", std, prog_bar=True, **log)
+        self.log("train/z_std_ref", 1 / math.sqrt(z1.shape[1]), **log)
         return loss
 
     # -- the kNN monitor --------------------------------------------------------------------
@@ -148,7 +150,16 @@ class SimSiam(pl.LightningModule):
         self._val_features.append(self.encoder(images))
         self._val_labels.append(labels)
 
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
     def on_validation_epoch_end(self) -> None:
+        self._log_knn("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_knn("test")
+
+    def _log_knn(self, stage: str) -> None:
         if not self._val_features:
             return
         features, labels = torch.cat(self._val_features), torch.cat(self._val_labels)
@@ -157,7 +168,7 @@ class SimSiam(pl.LightningModule):
         if bank is None:
             return
         accuracy = self._knn(features, labels, *bank)
-        self.log("val/knn_acc", accuracy, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}/knn_acc", accuracy, prog_bar=True, sync_dist=True)
 
     def _bank(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer else None
@@ -182,24 +193,6 @@ class SimSiam(pl.LightningModule):
         votes = torch.zeros(len(features), 10, device=features.device)
         votes.scatter_add_(1, bank_labels[idx], (top / 0.1).exp())
         return float((votes.argmax(dim=1) == labels).float().mean())
-
-    @torch.no_grad()
-    def evaluate(self, loader: DataLoader[tuple[torch.Tensor, ...]]) -> dict[str, float]:
-        """kNN accuracy on ``loader`` with the training images as the bank, in eval mode."""
-        modes = {m: m.training for m in self.modules()}
-        self.eval()
-        try:
-            bank = self._bank()
-            if bank is None:
-                return {}
-            feats, labels = zip(
-                *((self.encoder(x.to(self.device)), y.to(self.device)) for x, y in loader),
-                strict=True,
-            )
-            return {"knn_acc": self._knn(torch.cat(feats), torch.cat(labels), *bank)}
-        finally:
-            for module, mode in modes.items():
-                module.training = mode
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(

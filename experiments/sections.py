@@ -1,0 +1,298 @@
+"""The report sections a variant can declare (``variant: report:`` in its config).
+
+A section kind is a function that takes the runs that declared it (with each declaration's
+parameters) and the whole results, and returns the section's Markdown lines; it may write a
+plot into the report's folder. Runs that declare the same kind share one section, placed
+where the first of them declares it.
+
+==============  ==============================================================================
+kind            what it shows (parameters)
+==============  ==============================================================================
+``drift``       how far the trunk's parameters, BatchNorm statistics and counters moved from
+                the start, per step (``drift.png``) and at the end
+``error``       the exception that stopped the run, in full (``note``: a sentence after it)
+``reversal``    what a gradient reversal did to an attribute: the ``adversary``'s accuracy,
+                a detached ``probe``'s on the same features, and the probe's in the run
+                ``without`` reversal
+``collapse``    the spread of SimSiam's output and the kNN accuracy (``collapse.png``)
+==============  ==============================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.formats import fmt, largest, table
+
+__all__ = ["SECTIONS", "Entry", "render_declared"]
+
+# One run that declared the section, and the declaration's parameters.
+Entry = tuple[str, dict[str, Any]]
+Section = Callable[[Sequence[Entry], dict[str, Any], Path], list[str]]
+
+# Several series that are 0.0 at every step would hide each other: other dashes and widths.
+ZERO_STYLES = (("--", 3.0), (":", 2.2), ("-.", 1.6), ((0, (1, 3)), 1.2))
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (imported only to draw)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, path: Path) -> None:
+    """Write ``fig`` as PNG and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def steps_of(values: Sequence[Any]) -> list[int]:
+    return list(range(1, len(values) + 1))
+
+
+# --------------------------------------------------------------------------------------------
+# drift
+
+_DRIFT_KINDS = (
+    ("parameters", "parameters", "max |Δ| of the weights"),
+    ("buffers", "BatchNorm running statistics", "max |Δ| of running_mean, running_var"),
+    ("counters", "num_batches_tracked", "increase of the counter"),
+)
+
+
+def _drift(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    runs = results["runs"]
+    frozen = {name: runs[name] for name, _ in entries if runs.get(name, {}).get("drift_final")}
+    if not frozen:
+        return []
+    lines = [
+        "## Frozen trunk",
+        "",
+        "`isolate.snapshot(trunk)` at the start of `fit`, compared after every step: "
+        "parameters, BatchNorm running statistics (`running_mean`, `running_var`) and "
+        "counters (`num_batches_tracked`). *Max over steps* is the largest difference from the "
+        "start seen after any step; *at the end* is the difference after the last step.",
+        "",
+    ]
+    rows = []
+    for name, record in frozen.items():
+        final, series = record["drift_final"], record.get("drift") or {}
+        rows.append(
+            [
+                name,
+                len(final.get("checked", [])),
+                largest(series.get("parameters") or []),
+                largest(series.get("buffers") or []),
+                fmt(final.get("buffers"), ".3g"),
+                fmt(final.get("counters"), ".3g"),
+                ", ".join(sorted(final.get("moved", {}))) or "none",
+            ]
+        )
+    lines += [
+        table(
+            [
+                "run",
+                "tensors checked",
+                "parameters, max over steps",
+                "running statistics, max over steps",
+                "running statistics, at the end",
+                "num_batches_tracked, at the end",
+                "moved at the end",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (kind, title, ylabel) in zip(axes, _DRIFT_KINDS, strict=True):
+        zero = iter(ZERO_STYLES * 4)
+        for name, record in frozen.items():
+            values = (record.get("drift") or {}).get(kind) or []
+            if not values:
+                continue
+            if any(v != 0.0 for v in values):
+                ax.plot(steps_of(values), values, "-", linewidth=1.6, label=name)
+            else:
+                style, width = next(zero)
+                ax.plot(
+                    steps_of(values),
+                    values,
+                    linestyle=style,
+                    linewidth=width,
+                    label=f"{name} (0.0 at every step)",
+                )
+        ax.set_title(title)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(ylabel)
+        if kind != "counters":  # the counter counts batches: a linear axis shows it as it is
+            ax.set_yscale("symlog", linthresh=1e-8)
+        ax.legend(fontsize=7)
+    fig.suptitle("Trunk drift since the start of fit, per step")
+    save(fig, output / "drift.png")
+    return [*lines, "![drift](drift.png)", ""]
+
+
+# --------------------------------------------------------------------------------------------
+# error
+
+
+def _error(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    runs, variants = results["runs"], results["variants"]
+    lines = ["## Runs stopped by an error", ""]
+    for name, params in entries:
+        record = runs.get(name)
+        if record is None:
+            continue
+        error = record.get("error", {})
+        expected = variants.get(name, {}).get("expect_error")
+        outcome = (
+            "the expected outcome" if error.get("type") == expected else (f"expected {expected}")
+        )
+        lines += [
+            f"`{name}` stopped after {record.get('steps')} steps with "
+            f"`{error.get('type')}` ({outcome}):",
+            "",
+            "```",
+            str(error.get("message", "")),
+            "```",
+            "",
+        ]
+        if params.get("note"):
+            lines += [str(params["note"]), ""]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# reversal
+
+
+def _reversal(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    runs, variants = results["runs"], results["variants"]
+    lines: list[str] = []
+    for name, params in entries:
+        record = runs.get(name) or {}
+        if record.get("status") != "ok":
+            continue
+        test, chance = record.get("test") or {}, record.get("chance") or {}
+        adversary, probe = params["adversary"], params["probe"]
+        adv_acc, probe_acc = test.get(f"acc/{adversary}"), test.get(f"acc/{probe}")
+        if adv_acc is None or probe_acc is None:
+            continue
+        without = params.get("without")
+        before = (runs.get(without) or {}).get("test", {}).get(f"acc/{probe}") if without else None
+        specs = (record.get("hparams") or {}).get("branches") or []
+        alpha = next((b.get("alpha") for b in specs if b.get("name") == adversary), None)
+        compared = variants.get(name, {}).get("compare_with")
+        base_main = (runs.get(compared) or {}).get("test", {}).get("acc/main")
+        lines += [
+            f"## Gradient reversal: {name}",
+            "",
+            f"Behind `GradientScale({alpha})`, the {adversary} ends at {adv_acc:.3f} test "
+            f"accuracy (majority class: {fmt(chance.get(f'acc/{adversary}'), '.3f')}), while a "
+            f"detached linear probe ({probe}) trained next to it still reads the attribute from "
+            f"the same features at {probe_acc:.3f}"
+            + (f" ({before:.3f} in the {without} run, without reversal)" if before else "")
+            + f". The main head reaches {fmt(test.get('acc/main'), '.3f')}"
+            + (f" ({compared}: {fmt(base_main, '.3f')})" if compared else "")
+            + ". The reversed gradient reaches the trunk (see the audit and the gradient plot); "
+            "whether it removes the attribute or only defeats this one adversary is what the "
+            "probe tells.",
+            "",
+        ]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# collapse
+
+
+def _collapse(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    runs = results["runs"]
+    siam = {name: runs[name] for name, _ in entries if (runs.get(name) or {}).get("train")}
+    if not siam:
+        return []
+    lines = [
+        "## SimSiam: the stop-gradient prevents collapse",
+        "",
+        "Chen & He (2021) report that without the stop-gradient SimSiam's output collapses "
+        "to a constant: the per-channel std of the l2-normalised output falls to 0, "
+        "while with it the std stays near 1/sqrt(dim).",
+        "",
+    ]
+    rows = []
+    for name, record in siam.items():
+        train = record["train"]
+        rows.append(
+            [
+                name,
+                fmt((train.get("z_std") or [None])[-1]),
+                fmt((train.get("z_std_ref") or [None])[-1]),
+                fmt((train.get("loss") or [None])[-1], ".3f"),
+                fmt((record.get("test") or {}).get("knn_acc"), ".3f"),
+            ]
+        )
+    lines += [
+        table(["run", "final std of z/|z|", "1/sqrt(dim)", "final loss", "kNN test acc"], rows),
+        "",
+    ]
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, record in siam.items():
+        if record["train"].get("z_std"):
+            left.plot(record["train"]["step"], record["train"]["z_std"], label=name)
+        if record["val"].get("knn_acc"):
+            right.plot(record["val"]["step"], record["val"]["knn_acc"], marker="o", label=name)
+    reference = next(iter(siam.values()))["train"].get("z_std_ref")
+    if reference:
+        left.axhline(reference[-1], color="gray", linestyle=":", label="1/sqrt(dim)")
+    right.axhline(0.1, color="gray", linestyle=":", label="chance (10 classes)")
+    left.set_ylim(bottom=0)
+    # The whole range: a zoomed axis makes a gap of 2 points on one seed look large.
+    right.set_ylim(0.0, 1.0)
+    left.set_title("SimSiam: per-channel std of z/|z|")
+    right.set_title("SimSiam: kNN accuracy of the encoder's features (one seed)")
+    left.set_ylabel("std")
+    right.set_ylabel("validation accuracy")
+    for ax in (left, right):
+        ax.set_xlabel("training step")
+        ax.legend(fontsize=8)
+    save(fig, output / "collapse.png")
+    return [*lines, "![collapse](collapse.png)", ""]
+
+
+SECTIONS: dict[str, Section] = {
+    "drift": _drift,
+    "error": _error,
+    "reversal": _reversal,
+    "collapse": _collapse,
+}
+
+
+def render_declared(results: dict[str, Any], output: Path) -> list[str]:
+    """The declared sections, in the order they are first declared, as Markdown lines.
+
+    Raises:
+        ValueError: a declaration names an unknown section kind.
+    """
+    grouped: dict[str, list[Entry]] = {}
+    for name in results["runs"]:
+        for section in results["variants"].get(name, {}).get("report", []):
+            kind = section["section"]
+            if kind not in SECTIONS:
+                raise ValueError(
+                    f"{name}: unknown report section {kind!r}; known: {sorted(SECTIONS)}"
+                )
+            params = {k: v for k, v in section.items() if k != "section"}
+            grouped.setdefault(kind, []).append((name, params))
+    lines: list[str] = []
+    for kind, entries in grouped.items():
+        lines += SECTIONS[kind](entries, results, output)
+    return lines
