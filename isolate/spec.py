@@ -355,6 +355,25 @@ class IsolationSpec:
             "frozen_in_optimizer": self.frozen_in_optimizer,
         }
 
+    def prefixed(self, prefix: str) -> IsolationSpec:
+        """The same spec for a model that holds this one's model under ``prefix`` (for
+        example a LightningModule's ``self.net``): every selector and branch name gets
+        ``prefix + "."`` in front; thaw group names stay.
+
+        >>> IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1)]).prefixed("net")
+        IsolationSpec(freeze=['net.trunk'], thaw=[trunk.3 at epoch 1])
+        """
+        if not isinstance(prefix, str) or not prefix or prefix.endswith("."):
+            raise SpecError(f"{_CALLER}.prefixed(): prefix must be a module name, got {prefix!r}")
+        data = self.to_dict()
+        for key in ("freeze", "detach", "clone"):
+            data[key] = [f"{prefix}.{s}" for s in data[key]]
+        for step in data["thaw"]:
+            step["select"] = [f"{prefix}.{s}" for s in step["select"]]
+        if data["protect"] is not None:
+            data["protect"] = {k: [f"{prefix}.{s}" for s in v] for k, v in data["protect"].items()}
+        return type(self).from_dict(data)
+
     def __repr__(self) -> str:
         parts = [f"{k}={list(getattr(self, k))!r}" for k in ("freeze", "detach", "clone")]
         parts = [p for p in parts if not p.endswith("=[]")]

@@ -1,0 +1,120 @@
+"""The examples run, and train exactly what the same training does by hand.
+
+"By hand" is the spec of ``examples/isolation.yaml`` written with ``requires_grad_``,
+``.eval()`` and ``.detach()``: the spec must add nothing to the numbers, bit for bit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from examples import fabric_loop, lightning_callback, plain_loop
+from examples.toy import Net, batches
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def by_hand(epochs: int) -> Net:
+    model = Net()
+    model.trunk.requires_grad_(False)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
+        weight_decay=1e-4,
+    )
+    for epoch in range(epochs):
+        model.train()
+        model.trunk[1].eval()  # frozen BatchNorm statistics
+        if epoch == 2:
+            model.trunk[3].requires_grad_(True)
+            optimizer.add_param_group({"params": list(model.trunk[3].parameters()), "lr": 0.02})
+        for x, y in batches(epoch):
+            features = model.trunk(x)
+            main = nn.functional.cross_entropy(model.head(features), y)
+            probe = nn.functional.cross_entropy(model.probe(features.detach()), y)
+            optimizer.zero_grad()
+            (main + probe).backward()
+            optimizer.step()
+    model.requires_grad_(True)
+    return model
+
+
+def assert_bitwise_equal(a: nn.Module, b: nn.Module) -> None:
+    left, right = a.state_dict(), b.state_dict()
+    assert list(left) == list(right)
+    for key in left:
+        assert torch.equal(left[key], right[key]), key
+
+
+@pytest.fixture(scope="module")
+def reference() -> Net:
+    return by_hand(4)
+
+
+def test_reference_moves_what_it_should(reference: Net) -> None:
+    # Guards the comparisons below: the reference itself trains the head and the thawed
+    # layer, and keeps the frozen layer and its BatchNorm statistics where they started.
+    start = Net()
+    assert not torch.equal(reference.head.weight, start.head.weight)
+    assert not torch.equal(reference.trunk[3].weight, start.trunk[3].weight)
+    assert torch.equal(reference.trunk[0].weight, start.trunk[0].weight)
+    assert torch.equal(reference.trunk[1].running_mean, start.trunk[1].running_mean)
+
+
+def test_plain_loop_equals_training_by_hand(reference: Net) -> None:
+    model = plain_loop.train(4)
+    assert_bitwise_equal(model, reference)
+    assert type(model.probe) is nn.Linear  # the wrapper is gone after restore
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_plain_loop_resumed_equals_uninterrupted(tmp_path: Path, reference: Net) -> None:
+    checkpoint = tmp_path / "run.pt"
+    plain_loop.train(4, checkpoint=checkpoint, stop_after=1)  # before the thaw
+    plain_loop.train(4, checkpoint=checkpoint, stop_after=3)  # across it
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["isolation"]["thawed"] == [{"name": "trunk.3", "epoch": 2, "global_step": 16}]
+    assert_bitwise_equal(plain_loop.train(4, checkpoint=checkpoint), reference)
+
+
+def test_plain_loop_refuses_a_checkpoint_of_another_spec(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "run.pt"
+    plain_loop.train(3, checkpoint=checkpoint, stop_after=3)
+    state = torch.load(checkpoint, weights_only=True)
+    state["isolation"]["spec"]["freeze"] = ["trunk.0.weight"]
+    torch.save(state, checkpoint)
+    with pytest.raises(plain_loop.isolate.CheckpointMismatchError, match=r"  freeze: only in"):
+        plain_loop.train(4, checkpoint=checkpoint)
+
+
+def test_fabric_loop_equals_training_by_hand(tmp_path: Path, reference: Net) -> None:
+    assert_bitwise_equal(fabric_loop.train(4), reference)
+    checkpoint = tmp_path / "fabric.pt"
+    fabric_loop.train(4, checkpoint=checkpoint, stop_after=2)
+    assert_bitwise_equal(fabric_loop.train(4, checkpoint=checkpoint), reference)
+
+
+def test_lightning_example_equals_training_by_hand(tmp_path: Path, reference: Net) -> None:
+    module = lightning_callback.train(4, tmp_path)
+    assert_bitwise_equal(module.net, reference)
+    assert type(module.net.probe) is nn.Linear
+
+
+@pytest.mark.parametrize("script", ["plain_loop.py", "fabric_loop.py"])
+def test_scripts_run_from_the_command_line(tmp_path: Path, script: str, reference: Net) -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), "--epochs", "4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    checksum = float(reference.head.weight.detach().double().sum())
+    assert f"head weight checksum: {checksum:.6f}" in out.stdout
