@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import re
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -10,7 +13,15 @@ import pytest
 import torch
 from torch import nn
 
-from isolate.drift import Exposure, Snapshot, optimizer_exposure, snapshot
+from isolate import drift
+from isolate.drift import (
+    Exposure,
+    Snapshot,
+    fingerprint,
+    max_abs_diff,
+    optimizer_exposure,
+    snapshot,
+)
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
 
 
@@ -328,3 +339,359 @@ def test_exposure_errors() -> None:
     opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
     with pytest.raises(IsolationTypeError, match=r"^optimizer_exposure\(\): model must be"):
         optimizer_exposure(opt, "model")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# fingerprint: every bit counts
+
+ALL_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+]
+
+
+def sample(dtype: torch.dtype, *shape: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(*shape, generator=generator) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(*shape, generator=generator).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=generator).to(
+        dtype
+    )
+
+
+def every_single_bit_flip(t: torch.Tensor) -> Iterable[tuple[int, int, torch.Tensor]]:
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    for byte in range(raw.numel()):
+        for bit in range(8):
+            flipped = raw.clone()
+            flipped[byte] ^= 1 << bit
+            yield byte, bit, flipped.view(t.dtype).reshape(t.shape)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_single_bit_flip_changes_the_fingerprint(dtype: torch.dtype) -> None:
+    t = sample(dtype, 7)  # an odd count: the last word is partial in both readings
+    reference = fingerprint(t)
+    assert fingerprint(t.clone()) == reference
+    prints = {fingerprint(f): (byte, bit) for byte, bit, f in every_single_bit_flip(t)}
+    assert reference not in prints
+    # every flip gives its own fingerprint, too: none collides with another
+    assert len(prints) == t.numel() * t.element_size() * 8
+
+
+def test_single_bit_flips_across_lines_chunks_and_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shrink the geometry so a small tensor spans several lanes, lines, chunks and pieces."""
+    monkeypatch.setattr(drift, "_LANES", 8)
+    monkeypatch.setattr(drift, "_LINES", 4)  # a chunk is 32 words
+    monkeypatch.setattr(drift, "_PIECE_BYTES", 52)  # not a multiple of a line: carries
+    monkeypatch.setattr(drift, "_line_weights", {})
+    monkeypatch.setattr(drift, "_lane_weights", {})
+    t = sample(torch.float32, 9, 11)  # 99 words: 3 chunks and a partial one
+    reference = fingerprint(t)
+    assert fingerprint(t.t().contiguous().t()) == reference  # non-contiguous: fed in pieces
+    assert fingerprint(t.t()) == fingerprint(t.t().contiguous())
+    prints = {fingerprint(f) for _, _, f in every_single_bit_flip(t)}
+    assert reference not in prints and len(prints) == 99 * 32
+
+
+def test_sign_flips_do_not_cancel() -> None:
+    """A plain weighted sum mod 2**64 of 8-byte words sees only the parity of top-bit flips:
+    negating an even number of float64 values would go unnoticed. Here it does not."""
+    x = sample(torch.float64, 6)
+    words = x.view(torch.int64)
+    weights = torch.arange(1, 13, 2, dtype=torch.int64)  # odd weights, as a naive hash would
+    assert int((words * weights).sum()) == int((x.neg().view(torch.int64) * weights).sum())
+    assert fingerprint(x.neg()) != fingerprint(x)
+    for dtype in ALL_DTYPES[:6]:
+        t = sample(dtype, 2048)
+        for i, j in [(0, 1), (0, 2), (3, 515), (1, 2047)]:
+            negated = t.clone()
+            negated[[i, j]] = -negated[[i, j]]
+            assert fingerprint(negated) != fingerprint(t), (dtype, i, j)
+        assert fingerprint(t.neg()) != fingerprint(t)
+
+
+def test_fingerprint_reads_values_not_strides() -> None:
+    x = sample(torch.float32, 64, 48)
+    assert fingerprint(x.t()) == fingerprint(x.t().contiguous())
+    assert fingerprint(x[:, ::3]) == fingerprint(x[:, ::3].contiguous())
+    assert fingerprint(x.reshape(48, 64)) != fingerprint(x)  # same bytes, other shape
+    assert fingerprint(x.view(torch.int32)) != fingerprint(x)  # same bytes, other dtype
+    assert fingerprint(torch.tensor(0.0)) != fingerprint(torch.tensor(-0.0))  # bits, not values
+    assert fingerprint(torch.empty(0)) != fingerprint(torch.empty(0, 3))
+    assert 0 <= fingerprint(x) < 2**128
+
+
+def test_fingerprint_is_the_same_at_any_thread_count() -> None:
+    x = sample(torch.float32, 3_000_000)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fingerprint(x)
+        torch.set_num_threads(2)
+        assert fingerprint(x) == one
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_accelerator_formula_agrees_with_mv() -> None:
+    """Off CPU, lanes are summed elementwise (torch has no integer mv there): same numbers."""
+    words = torch.randint(-(2**31), 2**31 - 1, (64, 8), dtype=torch.int32)
+    weights = drift._weights(0, torch.device("cpu"))[:64]
+    by_mv = torch.mv(words.t(), weights)
+    assert torch.equal((words * weights[:, None]).sum(0, dtype=torch.int32), by_mv)
+    odd = drift._as_words(torch.arange(14, dtype=torch.uint8)[2:14])  # unaligned, no copy
+    assert odd.tolist() == torch.arange(2, 14, dtype=torch.uint8).view(torch.int32).tolist()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.sparse_coo_tensor([[0, 2, 2], [1, 0, 3]], [1.0, 2.0, 3.0], (3, 4)).coalesce(),
+        lambda: torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse_csr(),
+        lambda: torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse_csc(),
+    ],
+    ids=["coo", "csr", "csc"],
+)
+def test_fingerprint_of_sparse_tensors(make: Callable[[], torch.Tensor]) -> None:
+    t = make()
+    assert fingerprint(t) == fingerprint(make())
+    values = t.values()
+    with torch.no_grad():
+        values[0] = -values[0]
+    assert fingerprint(t) != fingerprint(make())
+    moved = make()
+    if moved.layout == torch.sparse_coo:
+        moved = torch.sparse_coo_tensor([[0, 2, 2], [2, 0, 3]], [1.0, 2.0, 3.0], (3, 4))
+        uncoalesced = torch.sparse_coo_tensor(
+            [[2, 0, 2, 2], [0, 1, 3, 3]], [2.0, 1.0, 1.0, 2.0], (3, 4)
+        )
+        assert fingerprint(uncoalesced) == fingerprint(make())  # the same value
+    else:
+        moved = torch.tensor([[1.0, 0.0], [2.0, 0.0]]).to_sparse(layout=make().layout)
+    assert fingerprint(moved) != fingerprint(make())
+
+
+def test_fingerprint_of_a_dtensor_is_that_of_its_shard() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already running")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shard = distribute_tensor(sample(torch.float32, 4, 3), mesh, [Shard(0)])
+        assert type(shard).__name__ == "DTensor"
+        assert fingerprint(shard) == fingerprint(shard.to_local())
+        model = nn.Linear(3, 4)
+        model.weight = nn.Parameter(shard)
+        for copy in (True, False):
+            snap = snapshot(model, copy=copy)
+            assert snap.changed() == {}
+            with torch.no_grad():
+                model.weight.to_local()[1, 2] += 1.0
+            assert list(snap.changed()) == ["weight"]
+            with torch.no_grad():
+                model.weight.to_local()[1, 2] -= 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fingerprint_errors() -> None:
+    with pytest.raises(IsolationTypeError, match=r"^fingerprint\(\): expected a torch.Tensor"):
+        fingerprint([1.0])  # type: ignore[arg-type]
+    with pytest.raises(IsolationTypeError, match=r"^fingerprint\(\): a meta tensor"):
+        fingerprint(torch.empty(3, device="meta"))
+    with pytest.raises(IsolationTypeError, match=r"lazy parameter has no values yet"):
+        fingerprint(nn.LazyLinear(2).weight)
+
+
+# --------------------------------------------------------------------------------------------
+# snapshot(copy=False): fingerprints instead of copies
+
+
+def test_fingerprint_snapshot_finds_what_moved_and_says_the_size_is_unknown() -> None:
+    model = mnist_cnn()
+    snap = snapshot(model, copy=False)
+    assert not snap.copies and snapshot(model).copies
+    assert repr(snap) == "Snapshot(Sequential: 6 parameters, 3 buffers, fingerprints)"
+    assert snap.changed() == {}
+    snap.assert_unchanged()
+    with torch.no_grad():
+        model(IMAGES)  # train mode: BatchNorm statistics move
+        model[5].weight.view(-1)[17] = torch.nextafter(
+            model[5].weight.view(-1)[17], torch.tensor(9.0)
+        )
+    changed = snap.changed()
+    assert set(changed) == {"5.weight", "1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert all(math.isnan(d) for d in changed.values())
+    with pytest.raises(DriftError, match=r"^assert_unchanged\(\): 4 of 9 tensors changed") as info:
+        snap.assert_unchanged()
+    message = str(info.value)
+    assert re.search(
+        r"5\.weight +\(parameter, requires_grad=True\) changed \(fingerprint differs", message
+    )
+    assert "copy=True" in message and "bn='eval'" in message
+    with pytest.raises(IsolationTypeError, match=r"^changed\(\): atol=0.1 needs the size"):
+        snap.changed(atol=0.1)
+    with pytest.raises(IsolationTypeError, match=r"^assert_unchanged\(\): atol=0.1 needs"):
+        snap.assert_unchanged(atol=0.1)
+
+
+def test_fingerprint_snapshot_shape_changes_and_missing_names() -> None:
+    model = nn.Linear(2, 2)
+    model.register_buffer("steps", torch.tensor(3))
+    snap = snapshot(model, copy=False)
+    model.weight = nn.Parameter(torch.zeros(3, 3))
+    del model.steps
+    assert snap.changed() == {"weight": math.inf, "steps": math.inf}
+    with pytest.raises(DriftError, match=r"changed shape \(2, 2\) -> \(3, 3\)") as info:
+        snap.assert_unchanged()
+    assert re.search(r"steps +\(buffer\) is gone", str(info.value))
+
+
+def test_fingerprint_snapshot_holds_no_copy() -> None:
+    """O(number of tensors) memory: no tensor of any size, and no reference that keeps a
+    replaced parameter alive."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
+    snap = snapshot(model, copy=False)
+    held = [
+        value
+        for entry in snap._entries
+        for value in vars(entry).values()
+        if isinstance(value, torch.Tensor)
+    ]
+    assert held == [] and all(e.saved is None for e in snap._entries)
+    old = model[0].weight
+    alive = weakref.ref(old)
+    model[0].weight = nn.Parameter(old.detach().clone())
+    del old
+    gc.collect()
+    assert alive() is None  # the snapshot did not keep the replaced parameter
+    assert snap.replaced() == ("0.weight",) and snap.changed() == {}
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1
+    assert list(snap.changed()) == ["0.weight"]
+
+
+def test_tied_parameters_share_one_fingerprint() -> None:
+    embed, decoder = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+    decoder.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "decoder": decoder})
+    snap = snapshot(model, copy=False)
+    assert snap.names == ("embed.weight", "decoder.weight")
+    with torch.no_grad():
+        embed.weight[4, 2] = -embed.weight[4, 2]
+    assert set(snap.changed()) == {"embed.weight", "decoder.weight"}
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "fingerprint"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_in_both_modes(dtype: torch.dtype, copy: bool) -> None:
+    model = nn.Module()
+    model.register_buffer("b", sample(dtype, 5, 3))
+    model.p = nn.Parameter(sample(dtype, 4), requires_grad=False)  # type: ignore[assignment]
+    snap = snapshot(model, copy=copy)
+    assert snap.changed() == {}
+    with torch.no_grad():
+        if dtype == torch.bool:
+            model.b[2, 1] = ~model.b[2, 1]
+        else:
+            model.b[2, 1] = model.b[2, 1] + 1
+    changed = snap.changed()
+    assert list(changed) == ["b"]
+    assert changed["b"] == pytest.approx(1.0, rel=0.01) if copy else math.isnan(changed["b"])
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "fingerprint"])
+def test_sparse_buffers_in_both_modes(copy: bool) -> None:
+    """Issue 12 item 9: torch.equal is not implemented for sparse tensors."""
+    model = nn.Module()
+    model.register_buffer("coo", torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,)).coalesce())
+    model.register_buffer("csr", torch.eye(3).to_sparse_csr())
+    snap = snapshot(model, copy=copy)
+    assert snap.changed() == {}
+    snap.assert_unchanged()
+    with torch.no_grad():
+        model.coo.values()[1] += 0.5
+        model.csr.values()[0] = 3.0
+    changed = snap.changed()
+    assert list(changed) == ["coo", "csr"]
+    if copy:
+        assert changed == {"coo": 0.5, "csr": 2.0}
+        with pytest.raises(DriftError, match=r"coo +\(buffer\) max\|Δ\|=5\.000e-01 in 1 of"):
+            snap.assert_unchanged()
+    model.coo = torch.sparse_coo_tensor([[1, 2]], [1.0, 2.5], (4,))  # an entry moved
+    moved = snap.changed()["coo"]
+    assert moved == 1.0 if copy else math.isnan(moved)
+
+
+def test_max_abs_diff_of_sparse_tensors() -> None:
+    a = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    b = torch.sparse_coo_tensor([[0, 3]], [1.0, -1.0], (4,))
+    assert max_abs_diff(a, a.clone()) == 0.0
+    assert max_abs_diff(a, b) == 2.0  # 2.0 gone at index 2; -1.0 new at index 3 counts 1.0
+    assert max_abs_diff(a, a.to_dense()) == 0.0
+    assert max_abs_diff(torch.eye(2).to_sparse_csr(), (2 * torch.eye(2)).to_sparse_csr()) == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Checks follow names, not captured objects (issue 12 item 1: SWA replaces buffers)
+
+
+def swa_like_reset(bn: nn.BatchNorm1d) -> None:
+    """What Lightning's StochasticWeightAveraging does to BatchNorm: new buffer objects."""
+    assert bn.running_mean is not None and bn.running_var is not None
+    bn.running_mean = torch.zeros_like(bn.running_mean)
+    bn.running_var = torch.ones_like(bn.running_var)
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "fingerprint"])
+def test_a_replaced_buffer_is_checked_by_its_new_value(copy: bool) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.5)
+        model[1].running_var.fill_(2.0)
+    model[0].requires_grad_(False)
+    held = ["0.weight", "0.bias", "1.running_mean", "1.running_var"]
+    by_name = snapshot(model, names=held, copy=copy)
+    captured = snapshot(
+        {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n in held},
+        copy=copy,
+    )
+    assert by_name.names == tuple(held)
+    swa_like_reset(model[1])
+    changed = by_name.changed()
+    assert list(changed) == ["1.running_mean", "1.running_var"]
+    if copy:
+        assert changed == {"1.running_mean": 0.5, "1.running_var": 1.0}
+    assert by_name.replaced() == ("1.running_mean", "1.running_var")
+    with pytest.raises(DriftError, match=r"1\.running_var +\(buffer, replaced by a new object\)"):
+        by_name.assert_unchanged()
+    # The trap the Note of snapshot() documents: a mapping checks the old objects.
+    assert captured.changed() == {} and captured.replaced() == ()
+
+
+def test_names_errors() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with pytest.raises(SelectorError, match=r"^snapshot\(\): \['0\.wieght'\] name no parameter"):
+        snapshot(model, names=["0.wieght"])
+    with pytest.raises(SelectorError, match=r"^snapshot\(\): names= picks tensors itself"):
+        snapshot(model, names=["0.weight"], parameters="frozen")
+    with pytest.raises(IsolationTypeError, match=r"^snapshot\(\): names= selects from a module"):
+        snapshot({"a": torch.zeros(1)}, names=["a"])
+    assert snapshot(model, names="1.running_mean").names == ("1.running_mean",)
