@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict, namedtuple
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import isolate
 from isolate import (
     Cloned,
     Detached,
@@ -223,3 +225,109 @@ def test_scale_gradient_rejects_bad_alpha(alpha: object) -> None:
         IsolationTypeError, match=r"^GradientScale\(\): alpha must be a finite real"
     ):
         GradientScale(alpha)  # type: ignore[arg-type]
+
+
+# Issue 12, item 7: an in-place op right after the scale.
+
+
+# Powers of two, so that alpha * grad is exact and the gradients can be compared bitwise.
+@pytest.mark.parametrize("alpha", [1.0, -0.5, 4.0, 0.0])
+def test_gradient_scale_followed_by_an_inplace_op(alpha: float) -> None:
+    torch.manual_seed(0)
+    trunk = nn.Linear(4, 4)
+    x = torch.randn(6, 4)
+    head = nn.Sequential(GradientScale(alpha), nn.ReLU(inplace=True), nn.Linear(4, 1))
+    reference_head = nn.Sequential(nn.ReLU(), head[2])
+    reference_head(trunk(x)).sum().backward()
+    reference = [p.grad.clone() for p in trunk.parameters()]  # type: ignore[union-attr]
+    expected_out = reference_head(trunk(x))
+    trunk.zero_grad(set_to_none=True)
+    out = head(trunk(x))
+    assert torch.equal(out, expected_out)  # the in-place ReLU ran
+    out.sum().backward()
+    if alpha == 0.0:
+        assert all(p.grad is None for p in trunk.parameters())  # a real cut
+        assert isolate.reachable_parameters(head(trunk(x)).sum(), trunk) == ()
+    else:
+        grads = [p.grad for p in trunk.parameters()]
+        assert all(
+            torch.equal(g, alpha * r)  # type: ignore[arg-type]
+            for g, r in zip(grads, reference, strict=True)
+        )
+
+
+def test_gradient_scale_never_writes_into_a_parameter() -> None:
+    weight = nn.Parameter(torch.tensor([-1.0, 2.0, -3.0]))
+    out = scale_gradient(weight, 2.0).relu_()  # a leaf: the scale hands out a copy
+    assert torch.equal(weight.detach(), torch.tensor([-1.0, 2.0, -3.0]))
+    out.sum().backward()
+    assert torch.equal(weight.grad, torch.tensor([0.0, 2.0, 0.0]))  # type: ignore[arg-type]
+
+
+def test_gradient_scale_output_aliases_its_input_like_identity() -> None:
+    h = torch.tensor([-1.0, 2.0], requires_grad=True) * 1
+    out = scale_gradient(h, -1.0)
+    assert out.data_ptr() == h.data_ptr() and out._version == h._version
+    saved = h.exp()  # exp saves its output, not h: the edit below is legal and shared
+    out.mul_(3)
+    assert torch.equal(h, torch.tensor([-3.0, 6.0]))  # as nn.Identity() would
+    assert saved.grad_fn is not None
+
+
+# Issue 12, item 8: per-sample gradients with torch.func.
+
+
+@pytest.mark.parametrize("alpha", [1.0, -1.0, 0.25, 0.0])
+def test_scale_gradient_under_vmap_of_grad(alpha: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+    head = nn.Linear(4, 1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    xs, ys = torch.randn(5, 3), torch.randn(5, 1)
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, a: float) -> Any:
+        features = torch.func.functional_call(model, p, (x[None],))
+        features = scale_gradient(features, a) if a != 1.0 else features
+        return ((head(features) - y[None]) ** 2).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0, None))
+    scaled = per_sample(params, xs, ys, alpha)
+    plain = per_sample(params, xs, ys, 1.0)
+    for name in params:
+        assert scaled[name].shape == (5, *params[name].shape)
+        torch.testing.assert_close(scaled[name], alpha * plain[name], rtol=0, atol=0)
+    layer = GradientScale(alpha)
+    grads = torch.func.vmap(torch.func.grad(lambda t: (layer(t) ** 2).sum()))(xs)
+    torch.testing.assert_close(grads, alpha * 2 * xs, rtol=0, atol=0)
+
+
+# Issue 12, item 10: load_state_dict reports keys as state_dict() names them.
+
+
+def test_load_state_dict_reports_keys_without_the_module_infix() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(2, 2),
+        Detached(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), Cloned(nn.Linear(2, 2)))),
+    )
+    keys = list(model.state_dict())
+    assert keys == ["0.weight", "0.bias", "1.0.weight", "1.0.bias", "1.2.weight", "1.2.bias"]
+    state = model.state_dict()
+    del state["1.2.weight"], state["1.0.bias"]
+    state["1.bogus"] = torch.zeros(1)
+    state["1.2.extra"] = torch.zeros(1)
+    result = model.load_state_dict(state, strict=False)
+    assert sorted(result.missing_keys) == ["1.0.bias", "1.2.weight"]
+    assert sorted(result.unexpected_keys) == ["1.2.extra", "1.bogus"]
+    assert set(result.missing_keys) <= set(keys)
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(state)
+    assert 'Missing key(s) in state_dict: "1.0.bias", "1.2.weight"' in str(info.value)
+    assert "module." not in str(info.value)
+    bad = model.state_dict()
+    bad["1.2.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 1\.2\.weight: copying"):
+        model.load_state_dict(bad)
+    inner = model[1].load_state_dict({"0.weight": torch.ones(2, 2)}, strict=False)
+    assert sorted(inner.missing_keys) == ["0.bias", "2.bias", "2.weight"]
+    assert torch.equal(model[1].module[0].weight, torch.ones(2, 2))

@@ -1,0 +1,283 @@
+"""Every container a wrapper or a function is handed is either seen into or refused with a
+typed error that names the type and the fix: nothing goes through unseen (issue 12, item 2).
+
+One rule for all of them (isolate/_tree.py): Detached, Cloned, Frozen's input check,
+stop_gradient, clone and scale_gradient.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import isolate
+from isolate import IsolationTypeError
+
+
+class Batch:
+    """A PyG-style batch: a plain class that keeps its tensors as attributes."""
+
+    def __init__(self, x: torch.Tensor, edge_index: torch.Tensor, num_graphs: int) -> None:
+        self.x = x
+        self.edge_index = edge_index
+        self.num_graphs = num_graphs
+
+
+class Store(collections.abc.Mapping):  # type: ignore[type-arg]
+    """Like PyG's storage: a mapping kept inside a plain object."""
+
+    def __init__(self, **items: torch.Tensor) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Wrapped:
+    def __init__(self, **items: torch.Tensor) -> None:
+        self._store = Store(**items)
+
+
+class Slotted:
+    __slots__ = ("x",)
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class Pair(NamedTuple):
+    left: torch.Tensor
+    right: Any
+
+
+@dataclasses.dataclass
+class WithCache:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.cache = self.x * 2  # a tensor outside the fields
+
+
+class ReadsBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.lin(batch.x).sum()
+
+
+def _trunk_and_batch() -> tuple[nn.Linear, Batch]:
+    torch.manual_seed(0)
+    trunk = nn.Linear(3, 3)
+    return trunk, Batch(trunk(torch.randn(5, 3)), torch.zeros(2, 4, dtype=torch.long), 2)
+
+
+@pytest.fixture
+def registered() -> Iterator[None]:
+    pytree.register_pytree_node(
+        Batch,
+        lambda b: ([b.x, b.edge_index], b.num_graphs),
+        lambda children, n: Batch(*children, n),  # type: ignore[misc]
+    )
+    try:
+        yield
+    finally:
+        pytree._deregister_pytree_node(Batch)
+
+
+BATCH_REFUSED = (
+    r"cannot see into test_containers\.Batch: expected tensors in a tuple, list, dict, "
+    r"dataclass or registered pytree node, got a test_containers\.Batch holding 2 tensor\(s\) "
+    r"at \.x, \.edge_index; .* Fix: register a flatten/unflatten rule with "
+    r"torch\.utils\._pytree\.register_pytree_node\(Batch, flatten_fn, unflatten_fn\)"
+)
+
+
+def test_unwrapped_branch_leaks_through_a_plain_batch() -> None:
+    """The negative control: without isolation the trunk receives gradient through .x."""
+    trunk, batch = _trunk_and_batch()
+    ReadsBatch()(batch).backward()
+    assert trunk.weight.grad is not None and trunk.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "caller"),
+    [
+        (lambda b: isolate.Detached(ReadsBatch())(b), r"Detached\(ReadsBatch\)"),
+        (lambda b: isolate.Detached(ReadsBatch(), inplace="copy")(b), r"Detached\(ReadsBatch\)"),
+        (lambda b: isolate.Cloned(ReadsBatch())(b), r"Cloned\(ReadsBatch\)"),
+        (lambda b: isolate.Frozen(ReadsBatch())(b), r"Frozen\(ReadsBatch\)"),
+        (lambda b: isolate.stop_gradient(b), r"stop_gradient\(\)"),
+        (lambda b: isolate.clone({"batch": b}), r"clone\(\)"),
+        (lambda b: isolate.scale_gradient([b], -1.0), r"scale_gradient\(\)"),
+        (lambda b: isolate.scale_gradient(b, 0.0), r"scale_gradient\(\)"),
+        (lambda b: isolate.GradientScale(0.5)(b), r"scale_gradient\(\)"),
+    ],
+)
+def test_a_plain_object_holding_tensors_is_refused(
+    call: Callable[[Batch], object], caller: str
+) -> None:
+    trunk, batch = _trunk_and_batch()
+    with pytest.raises(IsolationTypeError, match=rf"^{caller}: {BATCH_REFUSED}"):
+        call(batch)
+    assert trunk.weight.grad is None
+
+
+def test_a_registered_batch_is_detached_and_keeps_its_type(registered: None) -> None:
+    trunk, batch = _trunk_and_batch()
+    branch = isolate.Detached(ReadsBatch())
+    branch(batch).backward()
+    assert trunk.weight.grad is None  # nothing reached the trunk
+    assert branch.module.lin.weight.grad is not None  # the branch still learns
+    out = isolate.stop_gradient(batch)
+    assert type(out) is Batch and out.num_graphs == 2 and not out.x.requires_grad
+    assert torch.equal(out.x, batch.x) and out.edge_index is not batch.edge_index
+    cloned = isolate.clone(batch)
+    assert type(cloned) is Batch and cloned.x.data_ptr() != batch.x.data_ptr()
+    assert cloned.x.grad_fn is not None  # still in the graph
+
+
+def test_registered_batch_through_cloned_frozen_and_scale(registered: None) -> None:
+    trunk, batch = _trunk_and_batch()
+    torch.manual_seed(1)
+    ReadsBatch()(batch).backward(retain_graph=True)
+    reference = trunk.weight.grad.clone()  # type: ignore[union-attr]
+    trunk.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    isolate.Cloned(ReadsBatch())(batch).backward(retain_graph=True)
+    assert torch.equal(trunk.weight.grad, reference)  # type: ignore[arg-type]
+    trunk.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    ReadsBatch()(isolate.scale_gradient(batch, -0.5)).backward(retain_graph=True)
+    assert torch.equal(trunk.weight.grad, -0.5 * reference)  # type: ignore[arg-type]
+    trunk.zero_grad(set_to_none=True)
+    frozen = isolate.Frozen(ReadsBatch())
+    # .x requires grad: gradient flows to the input, not into the parameters
+    frozen(batch).backward(retain_graph=True)
+    assert trunk.weight.grad is not None and frozen.module.lin.weight.grad is None
+    frozen.unwrap()
+
+
+def test_a_rule_without_children_passes_the_object_through_on_purpose() -> None:
+    class Opaque:
+        def __init__(self) -> None:
+            self.table = torch.ones(2, requires_grad=True)
+
+    pytree.register_pytree_node(Opaque, lambda o: ([], o), lambda _, o: o)
+    try:
+        thing = Opaque()
+        assert isolate.stop_gradient(thing) is thing
+    finally:
+        pytree._deregister_pytree_node(Opaque)
+
+
+def test_tensors_held_deeper_are_found_with_their_path() -> None:
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^stop_gradient\(\): cannot see into test_containers\.Wrapped: .* holding 1 "
+        r"tensor\(s\) at \._store\['x'\];",
+    ):
+        isolate.stop_gradient([Wrapped(x=x)])
+    with pytest.raises(IsolationTypeError, match=r"Slotted holding 1 tensor\(s\) at \.x;"):
+        isolate.Detached(nn.Identity())(Slotted(x))
+    with pytest.raises(IsolationTypeError, match=r"holding 2 tensor\(s\) at \._parameters"):
+        isolate.Detached(nn.Identity())(nn.Linear(2, 2))  # a module passed as an input
+
+
+def test_sets_iterators_and_fields_beyond_the_dataclass_are_refused() -> None:
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(
+        IsolationTypeError, match=r"^clone\(\): cannot see into set: .* Fix: pass a list or tuple"
+    ):
+        isolate.clone([{x}])
+    with pytest.raises(
+        IsolationTypeError, match=r"^stop_gradient\(\): got an iterator \(generator\); .* pass a"
+    ):
+        isolate.stop_gradient(t for t in [x])
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^Detached\(Identity\): the dataclass test_containers\.WithCache holds tensors in "
+        r"attributes that are not fields \(\['cache'\]\)",
+    ):
+        isolate.Detached(nn.Identity())(WithCache(x))
+
+
+def test_standard_containers_keep_their_type() -> None:
+    x = torch.ones(2, requires_grad=True)
+    indices = torch.max(torch.stack([x, x * 2]), dim=0).indices
+    tree = {
+        "pair": Pair(x * 1, "tag"),
+        "od": collections.OrderedDict(a=x * 2),
+        "dd": collections.defaultdict(list, b=[x * 3]),
+        "dq": collections.deque([x * 4]),
+        "max": torch.max(torch.stack([x, x * 2]), dim=0),
+        "user": collections.UserDict(c=x * 5),
+        "size": torch.Size([2, 3]),
+        "none": None,
+    }
+    out = isolate.stop_gradient(tree)
+    assert {k: type(v) for k, v in out.items()} == {k: type(v) for k, v in tree.items()}
+    assert out["dd"].default_factory is list and out["pair"].right == "tag"
+    leaves = [out["pair"].left, out["od"]["a"], out["dd"]["b"][0], out["dq"][0], out["user"]["c"]]
+    assert [t.tolist() for t in leaves] == [[k, k] for k in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    assert not any(t.requires_grad for t in [*leaves, out["max"].values])
+    assert torch.equal(out["max"].indices, indices)
+
+
+def test_values_that_hold_no_tensor_pass_through() -> None:
+    class Config:
+        def __init__(self) -> None:
+            self.scale = 2.0
+            self.name = "cfg"
+
+    config = Config()
+    seen: list[Any] = []
+
+    class Branch(nn.Module):
+        def forward(self, x: torch.Tensor, cfg: Config, mode: str = "a") -> torch.Tensor:
+            seen.append((cfg, mode))
+            return x * cfg.scale
+
+    x = torch.ones(2, requires_grad=True) * 1
+    out = isolate.Detached(Branch())(x, config, mode="b")
+    assert seen == [(config, "b")] and out.grad_fn is None and torch.equal(out, 2 * x)
+    with pytest.raises(IsolationTypeError, match=r"^stop_gradient\(\): expected a tensor .* got "):
+        isolate.stop_gradient(config)
+
+
+def test_a_mapping_that_cannot_be_rebuilt_is_refused() -> None:
+    class Fixed(collections.abc.Mapping):  # type: ignore[type-arg]
+        def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+            self._d = {"a": a, "b": b}
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            return self._d[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(self._d)
+
+        def __len__(self) -> int:
+            return 2
+
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^stop_gradient\(\): cannot rebuild test_containers\..*Fixed from its mapped items "
+        r"\(TypeError: .*\); register a flatten/unflatten rule",
+    ):
+        isolate.stop_gradient(Fixed(x, x))
