@@ -29,11 +29,23 @@ Selector: TypeAlias = str | nn.Module | nn.Parameter | Callable[[str, nn.Paramet
 * a module object that is part of the model: all its parameters;
 * a dotted module name (``"trunk"``, ``"trunk.0"``) or an exact parameter name;
 * a glob over parameter names (``"trunk.*"``, ``"*.bias"``);
+* ``"type:<Class>"``: every parameter of every module whose class, or one of its base
+  classes, is named ``<Class>`` (a glob over class names, several joined by ``|``:
+  ``"type:BatchNorm2d|LayerNorm"``, ``"type:*Norm*"``, ``"type:_BatchNorm"``);
+  ``"<module>/type:<Class>"`` looks only under module ``<module>`` (``"backbone/type:*Norm*"``);
+* ``"!<selector>"``: an exclusion: what the string selector after ``!`` picks is taken out of
+  what the other selectors pick (``["backbone", "!type:_BatchNorm"]``: the backbone but its
+  BatchNorm layers). Exclusions alone start from the whole model (``["!head"]``);
 * a parameter object of the model;
 * a predicate ``fn(name, parameter) -> bool``.
+
+Every selector must pick something, and an exclusion must take something out of what the
+others pick: a typo is an error, not a silently different selection.
 """
 
 _GLOB_CHARS = frozenset("*?[")
+_TYPE = "type:"
+_NOT = "!"
 
 
 @dataclass
@@ -117,6 +129,52 @@ def _glob_match(patterns: list[str]) -> Callable[[str], object]:
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
 
 
+def _is_type(selector: object) -> bool:
+    return isinstance(selector, str) and (selector.startswith(_TYPE) or "/" + _TYPE in selector)
+
+
+def _is_glob(selector: object) -> bool:
+    return isinstance(selector, str) and not _is_type(selector) and bool(_GLOB_CHARS & set(selector))
+
+
+def _type_modules(
+    model: nn.Module, selector: str, tree: _Tree, caller: str
+) -> list[tuple[str, nn.Module]]:
+    """The modules a ``"[<module>/]type:<Class>"`` selector names (the scope included)."""
+    scope, _, pattern = selector.rpartition(_TYPE)
+    scope = scope.removesuffix("/")
+    names = [p for p in pattern.split("|") if p]
+    if not names or any(not re.fullmatch(r"[\w*?\[\]]+", p) for p in names):
+        raise SelectorError(
+            f"{caller}: {selector!r}: a type selector is 'type:<Class>' (a class name or a glob "
+            f"over class names, several joined by '|'), e.g. 'type:BatchNorm2d|LayerNorm'"
+        )
+    match = _glob_match(names)
+    if scope:
+        try:
+            model.get_submodule(scope)
+        except AttributeError:
+            raise SelectorError(
+                f"{caller}: {selector!r}: {scope!r} is not a submodule of {describe(model)}; "
+                f"give '<module>/type:<Class>' with a dotted module name"
+            ) from None
+    inside = scope + "."
+    found = [
+        (name, m)
+        for name, m in tree.modules
+        if (not scope or name == scope or name.startswith(inside))
+        and any(match(c.__name__) for c in type(m).__mro__)
+    ]
+    if not found:
+        present = sorted({type(m).__name__ for name, m in tree.modules})
+        where = f"under {scope!r} of" if scope else "of"
+        raise SelectorError(
+            f"{caller}: {selector!r} matched no module {where} {type(model).__name__}; its "
+            f"module types are {present} (a name matches the class or any base class)"
+        )
+    return found
+
+
 def _match_one(
     model: nn.Module, selector: Selector, tree: _Tree, module_ids: set[int], caller: str
 ) -> set[int]:
@@ -140,6 +198,12 @@ def _match_one(
     if isinstance(selector, str):
         if not selector:
             raise SelectorError(f"{caller}: empty selector ''; use a module name or a glob")
+        if _is_type(selector):
+            return {
+                id(p)
+                for _, m in _type_modules(model, selector, tree, caller)
+                for p in _Tree.of(m).params
+            }
         inside = selector + "."  # a name; globs are matched in select(), all in one pass
         return {i for name, i in pairs if name == selector or name.startswith(inside)}
     if callable(selector):
@@ -151,17 +215,24 @@ def _match_one(
 
 
 def _norms_covered(
-    tree: _Tree, selectors: tuple[Selector, ...], chosen: set[int]
+    model: nn.Module,
+    tree: _Tree,
+    selectors: tuple[Selector, ...],
+    chosen: set[int],
+    caller: str,
 ) -> dict[str, nn.modules.batchnorm._BatchNorm]:
     """The BatchNorm layers a selection covers: all their parameters are selected, or (for
-    layers without affine parameters) a module, name or glob selector covers their place."""
+    layers without affine parameters) a module, name, type or glob selector covers their place."""
     under: set[int] = set()
     for selector in selectors:
         if isinstance(selector, nn.Module):
             under |= {id(m) for _, m in _Tree.of(selector).modules}
-    names = [s for s in selectors if isinstance(s, str) and not _GLOB_CHARS & set(s)]
-    globs = [s for s in selectors if isinstance(s, str) and _GLOB_CHARS & set(s)]
-    glob = _glob_match(globs) if globs else None
+        elif _is_type(selector):
+            for _, m in _type_modules(model, str(selector), tree, caller):
+                under |= {id(sub) for _, sub in _Tree.of(m).modules}
+    names = [s for s in selectors if isinstance(s, str) and not _is_type(s) and not _is_glob(s)]
+    globs = [s for s in selectors if _is_glob(s)]
+    glob = _glob_match([str(g) for g in globs]) if globs else None
     norms: dict[str, nn.modules.batchnorm._BatchNorm] = {}
     seen: set[int] = set()
     for name, module in tree.modules:
@@ -181,22 +252,19 @@ def _norms_covered(
     return norms
 
 
-def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Selection:
-    """Resolve ``selectors`` against ``model``; raise before anything is changed.
-
-    No selector means the whole model. A selector that picks nothing is an error that lists
-    what the model holds.
-    """
-    tree = _Tree.of(model)
+def _picked(
+    model: nn.Module, selectors: tuple[Selector, ...], tree: _Tree, caller: str
+) -> set[int]:
+    """Ids of what the (positive) ``selectors`` pick together; each must pick something."""
     module_ids = {id(m) for _, m in tree.modules}
-    globs = [s for s in selectors if isinstance(s, str) and _GLOB_CHARS & set(s)]
+    globs = [str(s) for s in selectors if _is_glob(s)]
     chosen: set[int] = set()
     for selector in selectors:
-        if isinstance(selector, str) and selector in globs:
+        if _is_glob(selector):
             # Only whether it matches at all, which usually stops at the first name; what
             # the globs pick is gathered below in one pass for all of them.
-            _check_glob(selector, caller)
-            match = _glob_match([selector])
+            _check_glob(str(selector), caller)
+            match = _glob_match([str(selector)])
             ids = {1} if any(match(name) for name in tree.names) else set()
         else:
             ids = _match_one(model, selector, tree, module_ids, caller)
@@ -210,11 +278,66 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
             raise SelectorError(
                 f"{caller}: {shown!r} matched no parameter of {describe(model)}{hint}"
             )
-        if not (isinstance(selector, str) and selector in globs):
+        if not _is_glob(selector):
             chosen |= ids
     if globs:
         match = _glob_match(globs)
         chosen |= {i for name, i in zip(tree.names, tree.ids, strict=True) if match(name)}
+    return chosen
+
+
+def _split(selectors: tuple[Selector, ...], caller: str) -> tuple[tuple[Selector, ...], list[str]]:
+    """The selectors that pick, and the bodies of the exclusions (``"!..."``)."""
+    excluded = [s[1:] for s in selectors if isinstance(s, str) and s.startswith(_NOT)]
+    for body in excluded:
+        if not body or body.startswith(_NOT):
+            raise SelectorError(
+                f"{caller}: {_NOT + body!r} is not an exclusion; write '!' once, followed by "
+                f"a module name, a glob or a type selector ('!head', '!type:BatchNorm2d')"
+            )
+    picking = tuple(s for s in selectors if not (isinstance(s, str) and s.startswith(_NOT)))
+    return picking, excluded
+
+
+def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Selection:
+    """Resolve ``selectors`` against ``model``; raise before anything is changed.
+
+    No selector means the whole model, and so do exclusions alone. A selector that picks
+    nothing, or an exclusion that takes nothing out, is an error that lists what the model
+    holds.
+
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
+    >>> list(select(net, ("!type:_BatchNorm",), "doc").params)
+    ['0.weight', '0.bias', '2.weight', '2.bias']
+    >>> list(select(net, ("type:BatchNorm*", "2.bias"), "doc").params)
+    ['1.weight', '1.bias', '2.bias']
+    >>> select(net, ("0", "!2"), "doc")
+    Traceback (most recent call last):
+    ...
+    isolate.errors.SelectorError: doc: the exclusion '!2' takes nothing out of ['0'] ...
+    """
+    tree = _Tree.of(model)
+    picking, excluded = _split(selectors, caller)
+    chosen = _picked(model, picking, tree, caller) if picking else set(tree.ids)
+    removed: set[int] = set()
+    for body in excluded:
+        ids = _picked(model, (body,), tree, caller)
+        if not ids & chosen:
+            of = [s if isinstance(s, str) else type(s).__name__ for s in picking]
+            raise SelectorError(
+                f"{caller}: the exclusion {_NOT + body!r} takes nothing out of "
+                f"{of or 'the whole model'} (it picks only parameters that are not selected); "
+                f"remove it, or fix the name"
+            )
+        removed |= ids
+    chosen -= removed
+    if not chosen:
+        raise SelectorError(
+            f"{caller}: the exclusions {[_NOT + b for b in excluded]} take out everything "
+            f"{[s for s in picking if isinstance(s, str)] or 'the whole model'} selects; "
+            f"nothing is left"
+        )
     selection = Selection()
     rows: Iterable[tuple[str, nn.Parameter, int]] = zip(
         tree.names, tree.params, tree.ids, strict=True
@@ -225,11 +348,16 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
         for name, i in zip(tree.names, tree.ids, strict=True):
             first.setdefault(i, name)
         rows = [(n, p, i) for n, p, i in rows if first[i] == n]
-    if selectors:
-        selection.params = {name: p for name, p, i in rows if i in chosen}
-    else:
-        selection.params = {name: p for name, p, _ in rows}
-    selection.norms.update(_norms_covered(tree, selectors, chosen))
+    selection.params = {name: p for name, p, i in rows if i in chosen}
+    norms = _norms_covered(model, tree, picking, chosen, caller)
+    if excluded:
+        out = _norms_covered(model, tree, tuple(excluded), removed, caller)
+        norms = {
+            n: m
+            for n, m in norms.items()
+            if n not in out and not any(id(p) in removed for p in m.parameters(recurse=False))
+        }
+    selection.norms.update(norms)
     return selection
 
 
@@ -248,8 +376,9 @@ Protected = _Item | Mapping[str, torch.Tensor] | Iterable[_Item]
 * a mapping of names to parameters, or ``(name, parameter)`` pairs such as
   ``model.encoder.named_parameters()``;
 * parameters, or an iterable of them such as ``model.encoder.parameters()``;
-* with ``model=``: module names, globs over parameter names (``"encoder.*"``) and predicates
-  ``fn(name, parameter) -> bool``, as in :func:`isolate.freeze`.
+* with ``model=``: selector strings and predicates ``fn(name, parameter) -> bool``, in the
+  grammar of :data:`Selector` (names, globs, ``type:``, ``!`` exclusions), resolved together
+  as in :func:`isolate.freeze`.
 
 With ``model=`` every parameter is named by its qualified name in ``model`` (all names of a
 tied parameter); without it, by its name in the module or pair that holds it.
@@ -310,6 +439,7 @@ def resolve_named(target: object, model: nn.Module | None, caller: str) -> list[
             names_of.setdefault(id(p), []).append(name)
     several_modules = sum(isinstance(item, nn.Module) for item in items) > 1
     out: dict[str, _Named] = {}
+    selectors: list[Selector] = []
 
     def add(name: str, tensor: torch.Tensor, owner: str | None) -> None:
         out.setdefault(name, _Named(name, tensor, owner))
@@ -348,15 +478,16 @@ def resolve_named(target: object, model: nn.Module | None, caller: str) -> list[
                     f"{caller}: the selector {item!r} needs the model to resolve against; "
                     f"pass model=, or pass the module or parameters themselves"
                 )
-            selection = select(model, (item,), caller)
-            for p in selection.params.values():
-                for full in names_of[id(p)]:
-                    add(full, p, _owner(model, full))
+            selectors.append(item)  # resolved together: an exclusion applies to the others
         else:
             raise IsolationTypeError(
                 f"{caller}: item {index} is a {type(item).__name__}; expected a module, a "
                 f"parameter, a (name, parameter) pair, or a selector string with model="
             )
+    if selectors and model is not None:
+        for p in select(model, tuple(selectors), caller).params.values():
+            for full in names_of[id(p)]:
+                add(full, p, _owner(model, full))
     if not out:
         raise SelectorError(
             f"{caller}: {type(target).__name__} names no parameter to check, so the check "

@@ -27,6 +27,72 @@ __all__ = ["IsolationSpec", "Thaw", "ThawKeys"]
 
 _CALLER = "IsolationSpec"
 BN = Literal["eval", "train"]
+Shape = Literal["linear", "cosine", "exponential"]
+_EXTRA = (
+    "warmup_ratio",
+    "warmup_steps",
+    "warmup_epochs",
+    "warmup_shape",
+    "align",
+    "monitor",
+    "patience",
+    "min_delta",
+    "mode",
+)
+
+
+def _number(value: object) -> bool:
+    return (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    )
+
+
+def _check_ramp(thaw: Thaw, where: str) -> None:
+    ratio, steps, epochs = thaw.warmup_ratio, thaw.warmup_steps, thaw.warmup_epochs
+    if ratio is None:
+        if steps is not None or epochs is not None:
+            raise SpecError(
+                f"{where}: warmup_steps / warmup_epochs need warmup_ratio= (the fraction of "
+                f"the lr to start from, e.g. 0.1)"
+            )
+    elif not _number(ratio) or not 0 < ratio <= 1:
+        raise SpecError(f"{where}: warmup_ratio must be a number in (0, 1], got {ratio!r}")
+    elif (steps is None) == (epochs is None):
+        raise SpecError(
+            f"{where}: warmup_ratio={ratio} needs exactly one of warmup_steps= or "
+            f"warmup_epochs= (the ramp's length), got {'both' if steps else 'neither'}"
+        )
+    for key, value in (("warmup_steps", steps), ("warmup_epochs", epochs)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise SpecError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    if thaw.warmup_shape not in ("linear", "cosine", "exponential"):
+        raise SpecError(
+            f"{where}: warmup_shape must be 'linear', 'cosine' or 'exponential', got "
+            f"{thaw.warmup_shape!r} (a callable cannot come from a config; compose the shape "
+            f"in a LambdaLR of the optimizer instead)"
+        )
+    if not isinstance(thaw.align, bool):
+        raise SpecError(f"{where}: align must be true or false, got {thaw.align!r}")
+    if thaw.align and thaw.lr is not None:
+        raise SpecError(
+            f"{where}: align=True follows the lr of the group the parameters came from, so "
+            f"lr={thaw.lr} would be overridden; drop lr (start lower with warmup_ratio)"
+        )
+
+
+def _check_monitor(thaw: Thaw, where: str) -> None:
+    if thaw.monitor is not None and (not isinstance(thaw.monitor, str) or not thaw.monitor):
+        raise SpecError(f"{where}: monitor must be a metric name, got {thaw.monitor!r}")
+    if not _is_int(thaw.patience) or thaw.patience < 1:
+        raise SpecError(f"{where}: patience must be an integer >= 1, got {thaw.patience!r}")
+    if not _number(thaw.min_delta) or thaw.min_delta < 0:
+        raise SpecError(f"{where}: min_delta must be a number >= 0, got {thaw.min_delta!r}")
+    if thaw.mode not in ("min", "max"):
+        raise SpecError(f"{where}: mode must be 'min' or 'max', got {thaw.mode!r}")
+    if thaw.monitor is None:
+        set_by_hand = [k for k in ("patience", "min_delta", "mode") if k in thaw.extras()]
+        if set_by_hand:
+            raise SpecError(f"{where}: {set_by_hand} apply to monitor=, which is not set")
 
 
 def _is_int(value: object) -> bool:
@@ -69,17 +135,44 @@ class Thaw:
     """One step of an unfreezing schedule.
 
     At the start of epoch ``epoch``, or before optimizer step ``step`` (the number of steps
-    taken so far), the selected parameters start to require grad and join the optimizer as a
-    new param group.
+    taken so far), or once the metric ``monitor`` stops improving, the selected parameters
+    start to require grad and join the optimizer as a new param group.
 
     Args:
-        select: which parameters: module names, parameter names or globs, as for ``freeze``
-            (a string is one selector). Every one must be frozen by the spec's ``freeze``.
-        epoch: the epoch (from 0) at whose start to thaw. Give ``epoch`` or ``step``.
+        select: which parameters, in the selector grammar of ``freeze`` (names, globs,
+            ``type:<Class>``, ``!`` exclusions; a string is one selector). The group is the
+            frozen part of what it selects (``"backbone"`` after ``freeze: [backbone,
+            "!type:_BatchNorm"]`` thaws the backbone but its BatchNorm layers); a selector
+            that picks only parameters the spec does not freeze is refused.
+        epoch: the epoch (from 0) at whose start to thaw. Give ``epoch`` or ``step`` (with
+            ``monitor``: at the latest).
         step: the number of optimizer steps after which to thaw.
-        lr: the learning rate of the new param group. ``None`` gives the parameters the
-            settings of the optimizer group they were in, which requires that the optimizer
-            was built with them in one group (the spec takes them out while they are frozen).
+        lr: the base learning rate of the new param group: its lr when it joins, and its
+            ``base_lrs`` / ``initial_lr`` entry for a scheduler, which scales it from its next
+            step as it scales the others. ``None`` gives the parameters the settings of the
+            optimizer group they were in (lr, momentum, weight decay, scheduler state), which
+            requires that the optimizer was built with them in one group (the spec takes them
+            out while they are frozen). Lightning's ``BackboneFinetuning`` instead derives the
+            lr from group 0's (``lr / denominator``); here that is ``align`` with a ratio.
+        warmup_ratio: ramp the group's lr up from this fraction of its lr, over
+            ``warmup_steps`` optimizer steps or ``warmup_epochs`` epochs (give one). The ramp
+            multiplies the lr inside ``optimizer.step()`` only, so schedulers and checkpoints
+            see the unramped lr.
+        warmup_steps: the ramp's length in optimizer steps after the thaw.
+        warmup_epochs: the ramp's length in epochs after the thaw (constant within an epoch).
+        warmup_shape: ``"linear"``, ``"cosine"`` or ``"exponential"`` (geometric) ramp.
+        align: follow the lr of the group the parameters came from (or group 0 when they were
+            in no group): during the ramp ``ratio(t) * lr_source(t)``, then ``lr_source(t)``,
+            whatever schedules the source group (``BackboneFinetuning``'s ``should_align``).
+            Cannot be combined with ``lr``.
+        monitor: thaw once this logged metric stops improving, with the semantics of
+            Lightning's ``EarlyStopping`` (``patience`` validation checks without an
+            improvement by more than ``min_delta`` in direction ``mode``), without ending the
+            run. Metric thaws are phases: each starts watching once the thaw steps listed
+            before it have thawed.
+        patience: checks without improvement before the thaw.
+        min_delta: the least change that counts as an improvement.
+        mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
         optimizer_idx: which optimizer receives them; by default the one that held them, or
             the only one.
         bn: BatchNorm layers in the group once thawed: ``"train"`` follow the model's mode
@@ -93,11 +186,15 @@ class Thaw:
     >>> Thaw("trunk", epoch=2, lr=1e-3).name
     'trunk'
     >>> Thaw(["trunk.0", "trunk.1"], step=100)  # doctest: +ELLIPSIS
-    Thaw(select=['trunk.0', 'trunk.1'], epoch=None, step=100, lr=None, ..., name='trunk.0+trunk.1')
+    Thaw(select=['trunk.0', 'trunk.1'], epoch=None, step=100, lr=None, ..., name='trunk.0+trunk.1', ...)
     >>> Thaw("trunk")
     Traceback (most recent call last):
     ...
-    isolate.errors.SpecError: Thaw('trunk'): give exactly one of epoch= or step=, got neither
+    isolate.errors.SpecError: Thaw('trunk'): give exactly one of epoch= or step= (or monitor=, ...
+    >>> Thaw("backbone", epoch=2, warmup_ratio=0.1, warmup_epochs=3, align=True).when
+    'epoch 2'
+    >>> Thaw("layer3", monitor="val_loss", patience=2, epoch=10).when
+    'val_loss plateau (at the latest epoch 10)'
     """
 
     select: str | list[str]
@@ -108,6 +205,15 @@ class Thaw:
     optimizer_idx: int | None = None
     bn: BN = "train"
     name: str | None = None
+    warmup_ratio: float | None = None
+    warmup_steps: int | None = None
+    warmup_epochs: int | None = None
+    warmup_shape: Shape = "linear"
+    align: bool = False
+    monitor: str | None = None
+    patience: int = 3
+    min_delta: float = 0.0
+    mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
         where = f"Thaw({self.select!r})"
@@ -115,12 +221,18 @@ class Thaw:
         if not selectors:
             raise SpecError(f"{where}: select is empty; name the parameters to thaw")
         when = [k for k in ("epoch", "step") if getattr(self, k) is not None]
-        if len(when) != 1:
+        if len(when) > 1 or (not when and self.monitor is None):
             got = "both" if when else "neither"
-            raise SpecError(f"{where}: give exactly one of epoch= or step=, got {got}")
-        at = getattr(self, when[0])
-        if not _is_int(at) or at < 0:
-            raise SpecError(f"{where}: {when[0]} must be an integer >= 0, got {at!r}")
+            raise SpecError(
+                f"{where}: give exactly one of epoch= or step= (or monitor=, with either as "
+                f"the latest), got {got}"
+            )
+        for key in when:
+            at = getattr(self, key)
+            if not _is_int(at) or at < 0:
+                raise SpecError(f"{where}: {key} must be an integer >= 0, got {at!r}")
+        _check_ramp(self, where)
+        _check_monitor(self, where)
         if self.lr is not None and (
             isinstance(self.lr, bool)
             or not isinstance(self.lr, (int, float))
@@ -151,14 +263,27 @@ class Thaw:
 
     @property
     def when(self) -> str:
-        """``"epoch 2"`` or ``"step 100"``."""
-        return f"epoch {self.epoch}" if self.epoch is not None else f"step {self.step}"
+        """``"epoch 2"``, ``"step 100"``, or ``"val_loss plateau (at the latest epoch 5)"``."""
+        at = f"epoch {self.epoch}" if self.epoch is not None else f"step {self.step}"
+        if self.monitor is None:
+            return at
+        latest = "" if self.epoch is None and self.step is None else f" (at the latest {at})"
+        return f"{self.monitor} plateau{latest}"
 
     def due(self, *, epoch: int, step: int) -> bool:
-        """Whether the step is due at ``epoch`` after ``step`` optimizer steps."""
+        """Whether the step is due at ``epoch`` after ``step`` optimizer steps (a metric
+        thaw: its latest epoch or step only)."""
         if self.epoch is not None:
             return epoch >= self.epoch
         return self.step is not None and step >= self.step
+
+    def extras(self) -> dict[str, Any]:
+        """The ramp, align and monitor fields that differ from their defaults, by name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name in _EXTRA and getattr(self, f.name) != f.default
+        }
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any], *, where: str = "thaw") -> Thaw:
@@ -195,6 +320,15 @@ class ThawKeys(TypedDict, total=False):
     optimizer_idx: int | None
     bn: BN
     name: str | None
+    warmup_ratio: float | None
+    warmup_steps: int | None
+    warmup_epochs: int | None
+    warmup_shape: Shape
+    align: bool
+    monitor: str | None
+    patience: int
+    min_delta: float
+    mode: Literal["min", "max"]
 
 
 _PLAIN = (str, int, float, bool, type(None))
