@@ -150,6 +150,7 @@ class Plan:
                     "lr": g.thaw.lr,
                     "optimizer_idx": g.thaw.optimizer_idx,
                     "bn": g.thaw.bn,
+                    **g.thaw.extras(),  # only what is set: older checkpoints still match
                 }
                 for g in self.groups
             ],
@@ -236,16 +237,19 @@ def _groups(
     owner: dict[int, str] = {}
     for thaw in spec.thaw:
         name = str(thaw.name)
-        selection = select(model, thaw.selectors, f"{caller}(thaw {name!r})")
+        where = f"{caller}(thaw {name!r})"
+        selection = select(model, thaw.selectors, where)
         params = {names.of_id[id(p)]: p for p in selection.params.values()}
-        outside = [n for n, p in params.items() if id(p) not in frozen_ids]
-        if outside:
-            raise SpecError(
-                f"{caller}: thaw group {name!r} selects {len(outside)} parameters that "
-                f"freeze does not freeze: {shown(outside)}; thawing them would do nothing and "
-                f"add them to the optimizer twice. Add them to freeze, or narrow the thaw "
-                f"selectors"
-            )
+        if any(id(p) not in frozen_ids for p in params.values()):
+            # A thaw takes the frozen part of what it selects ("backbone" after freezing the
+            # backbone but its norms); a selector with no frozen part at all is a mistake.
+            _check_thaw_selectors(model, thaw.selectors, names, frozen_ids, name, where, caller)
+            params = {n: p for n, p in params.items() if id(p) in frozen_ids}
+        norms = {
+            n: m
+            for n, m in selection.norms.items()
+            if all(id(p) in frozen_ids for p in m.parameters(recurse=False))
+        }
         twice = [n for n, p in params.items() if id(p) in owner]
         if twice:
             first = owner[id(params[twice[0]])]
@@ -261,5 +265,31 @@ def _groups(
             )
         for p in params.values():
             owner[id(p)] = name
-        groups.append(Group(thaw, params, dict(selection.norms)))
+        groups.append(Group(thaw, params, norms))
     return groups
+
+
+def _check_thaw_selectors(
+    model: nn.Module,
+    selectors: tuple[str, ...],
+    names: Names,
+    frozen_ids: set[int],
+    group: str,
+    where: str,
+    caller: str,
+) -> None:
+    """Refuse a thaw selector that picks only parameters the spec does not freeze."""
+    for selector in selectors:
+        if selector.startswith("!"):
+            continue
+        picked = select(model, (selector,), where).params.values()
+        if not any(id(p) in frozen_ids for p in picked):
+            trainable = [names.name(p) for p in picked]
+            raise SpecError(
+                f"{caller}: thaw group {group!r}: {selector!r} selects {len(trainable)} "
+                f"parameters that freeze does not freeze: {shown(trainable)}; they are "
+                f"trainable already, so thawing them would do nothing (Lightning's "
+                f"BackboneFinetuning warns and skips them; a spec refuses, since this is "
+                f"usually a typo). Fix: add them to freeze if they should wait for this thaw, "
+                f"or drop {selector!r} from the thaw's select"
+            )
