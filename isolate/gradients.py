@@ -19,6 +19,7 @@ from torch import nn
 from isolate._selectors import Protected, check_module, resolve_named, select
 from isolate.drift import max_abs_diff
 from isolate.errors import IsolationTypeError
+from isolate.sharding import graph_inputs, roots_of
 
 __all__ = [
     "GradientInvariance",
@@ -42,7 +43,11 @@ class GroupStats:
         shares: loss name -> the fraction of that loss's squared gradient norm (over the whole
             model) that falls in this group; ``None`` when not reached or the total is zero.
         cosines: ``(loss_a, loss_b)`` -> cosine between the two losses' gradients on the
-            group; ``None`` when either is missing or zero.
+            group; ``None`` (undefined) when no parameter of the group is reached by both,
+            or either gradient is zero.
+        frozen: the names of the group's frozen parameters (``requires_grad=False``), which
+            no loss can reach; a group of frozen parameters only is not an empty selection.
+        frozen_numel: how many frozen scalars the group holds.
     """
 
     name: str
@@ -51,12 +56,25 @@ class GroupStats:
     norms: Mapping[str, float | None]
     shares: Mapping[str, float | None]
     cosines: Mapping[tuple[str, str], float | None]
+    frozen: tuple[str, ...] = ()
+    frozen_numel: int = 0
+
+    @property
+    def size(self) -> str:
+        """The group's size as the table shows it: ``"frozen"`` when nothing in it trains."""
+        if not self.frozen_numel:
+            return str(self.numel)
+        if not self.numel:
+            return f"frozen ({self.frozen_numel})"
+        return f"{self.numel} (+{self.frozen_numel} frozen)"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python data; cosines are keyed ``"a|b"``."""
         return {
             "parameters": list(self.parameters),
             "numel": self.numel,
+            "frozen": list(self.frozen),
+            "frozen_numel": self.frozen_numel,
             "norm": dict(self.norms),
             "share": dict(self.shares),
             "cosine": {f"{a}|{b}": c for (a, b), c in self.cosines.items()},
@@ -107,7 +125,7 @@ class GradientReport:
         header += [f"cos({a},{b})" for a, b in pairs]
         rows = [header]
         for stats in [*self.groups.values(), self.total]:
-            row = [stats.name, str(stats.numel)]
+            row = [stats.name, stats.size]
             for loss in self.losses:
                 share = stats.shares[loss]
                 row += [
@@ -129,13 +147,15 @@ class GradientReport:
         return "\n".join(lines)
 
 
-def _group_members(
-    model: nn.Module, groups: object, caller: str
-) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Group name -> (name, parameter) of every trainable parameter in it, model order."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+_Members = list[tuple[str, nn.Parameter]]
+
+
+def _group_members(model: nn.Module, groups: object, caller: str) -> dict[str, _Members]:
+    """Group name -> (name, parameter) of every parameter in it, model order; frozen ones are
+    kept too, so that a frozen group reads as frozen, not as empty."""
+    named = list(model.named_parameters())
     if groups is None:
-        out: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        out: dict[str, _Members] = {}
         for name, p in named:
             head = name.partition(".")[0] if "." in name else "(root)"
             out.setdefault(head, []).append((name, p))
@@ -175,6 +195,26 @@ def _group_members(
     return out
 
 
+def _dense_rows(column: list[torch.Tensor | None], p: nn.Parameter) -> torch.Tensor:
+    """The K gradients of one parameter as K flat rows of one dense tensor.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are made dense, which costs what the
+    parameter itself costs; half-precision ones are widened to float32, where their products
+    are exact and their sums cannot overflow.
+    """
+    flat = []
+    for g in column:
+        if g is None:
+            g = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif g.layout != torch.strided:
+            g = g.to_dense()
+        flat.append(g.reshape(-1))
+    rows = torch.stack(flat)
+    if rows.dtype in (torch.float16, torch.bfloat16):
+        rows = rows.float()
+    return rows
+
+
 @dataclass
 class _Grams:
     """Per parameter, the K x K Gram matrix of the K losses' gradients, and which
@@ -182,47 +222,48 @@ class _Grams:
 
     losses: tuple[str, ...]
     grams: dict[int, torch.Tensor]
-    reached: dict[int, tuple[bool, ...]]
+    reached: dict[int, int]  # bit k set: loss k reaches the parameter
 
     @classmethod
     def of(
         cls, losses: tuple[str, ...], params: list[nn.Parameter], grads: list[Sequence[Any]]
     ) -> _Grams:
         grams: dict[int, torch.Tensor] = {}
-        reached: dict[int, tuple[bool, ...]] = {}
+        reached: dict[int, int] = {}
         for j, p in enumerate(params):
             column = [grads[k][j] for k in range(len(losses))]
-            hit = tuple(g is not None for g in column)
-            if not any(hit):
+            mask = sum(1 << k for k, g in enumerate(column) if g is not None)
+            if not mask:
                 continue
-            rows = torch.stack(
-                [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g in column]
-            )
-            # One matmul in the gradients' own precision (a cast of every gradient to float64
-            # would cost more than the products), summed up in float64 from there.
-            grams[id(p)] = (rows @ rows.T).double()
-            reached[id(p)] = hit
+            rows = _dense_rows(column, p)
+            # One matmul in the gradients' own precision (float32 for half types): a cast of
+            # every gradient to float64 would cost more than the products. Sums of squares
+            # beyond the float32 range come out inf: only then redo it in float64.
+            gram = rows @ rows.T
+            if not bool(torch.isfinite(gram).all()) and bool(torch.isfinite(rows).all()):
+                rows = rows.double()
+                gram = rows @ rows.T
+            grams[id(p)] = gram.double()
+            reached[id(p)] = mask
         return cls(losses, grams, reached)
 
-    def total(self, ids: Iterable[int]) -> tuple[torch.Tensor | None, list[bool]]:
+    def total(self, ids: Iterable[int]) -> tuple[torch.Tensor | None, set[int]]:
+        """The summed Gram matrix of ``ids`` and the distinct reach masks among them."""
         gram: torch.Tensor | None = None
-        hit = [False] * len(self.losses)
+        masks: set[int] = set()
         for i in ids:
             if i in self.grams:
                 gram = self.grams[i] if gram is None else gram + self.grams[i]
-                hit = [a or b for a, b in zip(hit, self.reached[i], strict=True)]
-        return gram, hit
+                masks.add(self.reached[i])
+        return gram, masks
 
 
-def _stats(
-    name: str,
-    members: list[tuple[str, nn.Parameter]],
-    grams: _Grams,
-    totals: Mapping[str, float],
-) -> GroupStats:
-    unique = {id(p): p for _, p in members}
-    gram, hit = grams.total(unique)
+def _stats(name: str, members: _Members, grams: _Grams, totals: Mapping[str, float]) -> GroupStats:
+    unique = {id(p): p for _, p in members if p.requires_grad}
+    frozen = {id(p): p for _, p in members if not p.requires_grad}
+    gram, masks = grams.total(unique)
     values = gram.tolist() if gram is not None else None
+    hit = [any(mask >> k & 1 for mask in masks) for k in range(len(grams.losses))]
     norms: dict[str, float | None] = {}
     shares: dict[str, float | None] = {}
     for k, loss in enumerate(grams.losses):
@@ -237,17 +278,21 @@ def _stats(
         for m in range(k + 1, len(grams.losses)):
             b = grams.losses[m]
             norm_a, norm_b = norms[a], norms[b]
-            if values is None or not norm_a or not norm_b:
-                cosines[(a, b)] = None
+            pair = 1 << k | 1 << m
+            shared = any(mask & pair == pair for mask in masks)
+            if values is None or not shared or not norm_a or not norm_b:
+                cosines[(a, b)] = None  # undefined: no common parameter, or a zero gradient
                 continue
             cosines[(a, b)] = values[k][m] / (norm_a * norm_b)
     return GroupStats(
         name=name,
-        parameters=tuple(n for n, _ in members),
+        parameters=tuple(n for n, p in members if p.requires_grad),
         numel=sum(p.numel() for p in unique.values()),
         norms=norms,
         shares=shares,
         cosines=cosines,
+        frozen=tuple(n for n, p in members if not p.requires_grad),
+        frozen_numel=sum(p.numel() for p in frozen.values()),
     )
 
 
@@ -314,18 +359,26 @@ def gradient_report(
                 f"(e.g. .mean())"
             )
     members = _group_members(model, groups, caller)
-    everything = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = list({id(p): p for _, p in everything}.values())
+    everything = list(model.named_parameters())
+    params = list({id(p): p for _, p in everything if p.requires_grad}.values())
+    # Under FSDP2 the graph holds unsharded temporaries, not the sharded parameters.
+    inputs = graph_inputs(list(losses.values()), [model], params, caller)
     computed: list[Sequence[torch.Tensor | None]] = []
     for loss in losses.values():
         if params and loss.requires_grad:
             computed.append(
-                torch.autograd.grad(loss.reshape(()), params, retain_graph=True, allow_unused=True)
+                torch.autograd.grad(loss.reshape(()), inputs, retain_graph=True, allow_unused=True)
             )
         else:
             computed.append([None] * len(params))
     names = tuple(losses)
-    grams = _Grams.of(names, params, computed)
+    grams = _Grams.of(names, inputs, computed)
+    key = {id(i): id(p) for i, p in zip(inputs, params, strict=True)}
+    grams = _Grams(
+        names,
+        {key[k]: v for k, v in grams.grams.items()},
+        {key[k]: v for k, v in grams.reached.items()},
+    )
     whole, _ = grams.total(grams.grams)
     diagonal = whole.diagonal().tolist() if whole is not None else [0.0] * len(names)
     totals = dict(zip(names, diagonal, strict=True))
@@ -361,6 +414,10 @@ class GradientInvariance:
 
 
 def _grad_delta(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    # Sparse gradients (nn.Embedding(sparse=True)) are compared dense: two sparse tensors
+    # with the same values can differ in their indices' order and duplicates.
+    a = a.to_dense() if a is not None and a.layout != torch.strided else a
+    b = b.to_dense() if b is not None and b.layout != torch.strided else b
     if a is not None and b is not None:
         return max_abs_diff(a, b)
     if a is not None:
@@ -421,12 +478,14 @@ def gradient_invariance(
             )
     named = resolve_named(protected, model, caller)
     trainable = list({id(e.tensor): e.tensor for e in named if e.tensor.requires_grad}.values())
+    losses = [main_loss, total_loss]  # FSDP2: differentiate the unsharded temporaries
+    inputs = graph_inputs(losses, roots_of(protected, model), trainable, caller)
 
     def grads(loss: torch.Tensor) -> dict[int, torch.Tensor | None]:
         if not trainable or not loss.requires_grad:
             return {}
         computed = torch.autograd.grad(
-            loss.reshape(()), trainable, retain_graph=True, allow_unused=True
+            loss.reshape(()), inputs, retain_graph=True, allow_unused=True
         )
         return {id(p): g for p, g in zip(trainable, computed, strict=True)}
 

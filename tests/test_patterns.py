@@ -320,8 +320,21 @@ def test_gradient_reversal_domain_classifier() -> None:
     report = gradient_report({"task": task, "adversarial": adversarial}, model)
     assert report["label"].norms["adversarial"] is None
     assert report["domain"].norms["task"] is None
-    cosine = report["features"].cosines[("task", "adversarial")]
-    assert cosine is not None and -1.0 <= cosine <= 1.0
+    # The cosine, by hand: both gradients on the shared features, flattened, in float64.
+    feats = list(features.parameters())
+
+    def flat(loss: torch.Tensor) -> torch.Tensor:
+        grads = torch.autograd.grad(loss, feats, retain_graph=True)
+        return torch.cat([g.double().flatten() for g in grads])
+
+    g_task, g_adv = flat(task), flat(adversarial)
+    by_hand = float(g_task @ g_adv / (g_task.norm() * g_adv.norm()))
+    assert report["features"].cosines[("task", "adversarial")] == pytest.approx(by_hand, rel=1e-5)
+    assert report["features"].norms["adversarial"] == pytest.approx(float(g_adv.norm()), rel=1e-6)
+    # The label head and the domain head share no parameter: undefined over them, defined
+    # (the features) over the whole model.
+    assert report["label"].cosines[("task", "adversarial")] is None
+    assert report.total.cosines[("task", "adversarial")] is not None
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,271 @@
+"""gradient_report and gradient_invariance in every precision, with sparse gradients, and
+what the report says when a value is undefined: each number against a float64 reference
+computed by hand from the same gradients."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from isolate import freeze, gradient_invariance, gradient_report
+from isolate.gradients import GradientReport
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference(
+    losses: dict[str, torch.Tensor], groups: dict[str, list[nn.Parameter]]
+) -> dict[str, dict[str, object]]:
+    """Norms, shares and cosines per group, from autograd.grad, all arithmetic in float64."""
+    everything = list({id(p): p for ps in groups.values() for p in ps}.values())
+    flat: dict[str, dict[int, torch.Tensor | None]] = {}
+    for name, loss in losses.items():
+        grads = torch.autograd.grad(loss, everything, retain_graph=True, allow_unused=True)
+        flat[name] = {
+            id(p): None if g is None else g.to_dense().double().flatten()
+            for p, g in zip(everything, grads, strict=True)
+        }
+    totals = {
+        name: sum(float(g @ g) for g in flat[name].values() if g is not None) for name in losses
+    }
+    out: dict[str, dict[str, object]] = {}
+    for group, params in groups.items():
+        norms: dict[str, float | None] = {}
+        vectors: dict[str, torch.Tensor] = {}
+        for name in losses:
+            gs = [flat[name][id(p)] for p in params]
+            if all(g is None for g in gs):
+                norms[name] = None
+                continue
+            vectors[name] = torch.cat(
+                [torch.zeros(p.numel(), dtype=torch.float64) if g is None else g
+                 for p, g in zip(params, gs, strict=True)]
+            )  # fmt: skip
+            norms[name] = float(vectors[name].norm())
+        shares = {n: None if v is None else v**2 / totals[n] for n, v in norms.items()}
+        names = list(losses)
+        cosines: dict[tuple[str, str], float | None] = {}
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                shared = any(
+                    flat[a][id(p)] is not None and flat[b][id(p)] is not None for p in params
+                )
+                na, nb = norms[a], norms[b]
+                cosines[(a, b)] = (
+                    float(vectors[a] @ vectors[b]) / (na * nb) if shared and na and nb else None
+                )
+        out[group] = {"norms": norms, "shares": shares, "cosines": cosines}
+    return out
+
+
+def assert_matches(report: GradientReport, expected: dict[str, dict[str, object]], rel: float):
+    for group, values in expected.items():
+        stats = report.total if group == "total" else report[group]
+        for field in ("norms", "shares", "cosines"):
+            got, want = getattr(stats, field), values[field]
+            assert set(got) == set(want)  # type: ignore[arg-type]
+            for key, w in want.items():  # type: ignore[attr-defined]
+                if w is None:
+                    assert got[key] is None, (group, field, key)
+                else:
+                    assert got[key] == pytest.approx(w, rel=rel, abs=1e-12), (group, field, key)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+        self.probe = nn.Linear(16, 2)
+
+    def losses(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        features = self.encoder(x)
+        return {
+            "main": self.head(features).pow(2).mean(),
+            "probe": self.probe(features.detach()).pow(2).mean(),
+            "both": self.head(features).mean() + self.probe(features).mean(),
+        }
+
+
+def groups_of(net: Net) -> dict[str, list[nn.Parameter]]:
+    return {
+        "encoder": list(net.encoder.parameters()),
+        "head": list(net.head.parameters()),
+        "probe": list(net.probe.parameters()),
+        "total": list(net.parameters()),
+    }
+
+
+PRECISIONS: dict[str, tuple[torch.dtype, Callable[[], object]]] = {
+    "fp32": (torch.float32, lambda: torch.autocast("cpu", enabled=False)),
+    "fp16": (torch.float16, lambda: torch.autocast("cpu", enabled=False)),
+    "bf16": (torch.bfloat16, lambda: torch.autocast("cpu", enabled=False)),
+    "fp64": (torch.float64, lambda: torch.autocast("cpu", enabled=False)),
+    "autocast-bf16": (torch.float32, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_report_matches_a_float64_reference_in_every_precision(precision: str) -> None:
+    dtype, context = PRECISIONS[precision]
+    torch.manual_seed(0)
+    net = Net().to(dtype)
+    x = torch.randn(8, 6, dtype=dtype)
+    with context():  # type: ignore[attr-defined]
+        losses = net.losses(x)
+    if precision == "autocast-bf16":
+        assert net.head(net.encoder(x)).dtype == torch.float32  # outside: fp32 again
+    report = gradient_report(
+        losses, net, groups={"encoder": "encoder", "head": "head", "probe": "probe"}
+    )
+    # Gradients in half precision are widened exactly; only the float32 sums round.
+    assert_matches(report, reference(losses, groups_of(net)), rel=1e-5)
+    assert report["probe"].norms["main"] is None
+    assert report["encoder"].cosines[("main", "probe")] is None  # probe never reaches it
+
+
+def test_a_half_precision_norm_beyond_the_half_range_is_not_inf() -> None:
+    """Issue 12 item 4: 2048^2 + 64^2 + 1 = 2049^2 overflows float16 (max 65504)."""
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    model = nn.ParameterDict({"p": p})
+    loss = (p * torch.tensor([2048.0, 64.0, 1.0], dtype=torch.float16)).sum()
+    (grad,) = torch.autograd.grad(loss, p, retain_graph=True)
+    assert grad.dtype == torch.float16 and torch.isinf(grad @ grad)  # the trap
+    report = gradient_report({"loss": loss, "twice": 2 * loss}, model)
+    assert report.total.norms == {"loss": 2049.0, "twice": 4098.0}  # exact
+    assert report.total.cosines[("loss", "twice")] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sums_of_squares_beyond_the_float32_range_are_redone_in_float64(
+    dtype: torch.dtype,
+) -> None:
+    p = nn.Parameter(torch.zeros(4, dtype=dtype))
+    loss = (p * torch.full((4,), 1e25, dtype=dtype)).sum()
+    (grad,) = torch.autograd.grad(loss, p, retain_graph=True)
+    assert torch.isinf(grad.float() @ grad.float())  # float32 cannot hold (1e25)^2
+    report = gradient_report({"loss": loss}, nn.ParameterDict({"p": p}))
+    expected = float(grad.double().norm())
+    assert report.total.norms["loss"] == pytest.approx(expected, rel=1e-12)
+    assert report.total.shares["loss"] == pytest.approx(1.0)
+
+
+def test_an_inf_gradient_is_reported_as_inf() -> None:
+    p = nn.Parameter(torch.ones(2))
+    loss = (p * torch.tensor([math.inf, 1.0])).sum()
+    report = gradient_report({"loss": loss}, nn.ParameterDict({"p": p}))
+    assert report.total.norms["loss"] == math.inf
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse gradients (issue 12 item 9)
+
+
+class Bag(nn.Module):
+    def __init__(self, *, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 4, sparse=sparse)
+        self.head = nn.Linear(4, 1)
+
+    def losses(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(tokens)  # repeated tokens: a sparse gradient with duplicate indices
+        return {"main": self.head(h).pow(2).mean(), "aux": h.pow(3).mean()}
+
+
+TOKENS = torch.tensor([[1, 2, 2, 7], [7, 7, 3, 1]])
+
+
+def test_report_with_sparse_gradients_equals_the_dense_one() -> None:
+    sparse, dense = Bag(sparse=True), Bag(sparse=False)
+    losses_s, losses_d = sparse.losses(TOKENS), dense.losses(TOKENS)
+    (g,) = torch.autograd.grad(losses_s["main"], sparse.embed.weight, retain_graph=True)
+    assert g.is_sparse
+    report_s = gradient_report(losses_s, sparse)
+    report_d = gradient_report(losses_d, dense)
+    _close(report_s, report_d)
+    groups = {"embed": list(sparse.embed.parameters()), "head": list(sparse.head.parameters())}
+    groups["total"] = list(sparse.parameters())
+    assert_matches(report_s, reference(losses_s, groups), rel=1e-6)
+
+
+def _close(a: GradientReport, b: GradientReport) -> None:
+    for name in [*a.groups, "total"]:
+        sa, sb = (a.total, b.total) if name == "total" else (a[name], b[name])
+        for field in ("norms", "shares", "cosines"):
+            for key, value in getattr(sa, field).items():
+                other = getattr(sb, field)[key]
+                assert (value is None) == (other is None)
+                if value is not None:
+                    assert value == pytest.approx(other, rel=1e-6)
+
+
+def test_invariance_with_sparse_gradients() -> None:
+    bag = Bag(sparse=True)
+    h = bag.embed(TOKENS)
+    main = bag.head(h.detach()).sum() + h.sum()
+    isolated = gradient_invariance(main, main + bag.head(h.detach()).pow(2).sum(), bag.embed)
+    assert isolated.isolated and isolated.deltas == {"weight": 0.0}
+    leak = h.pow(2).sum()
+    result = gradient_invariance(main, main + leak, bag.embed)
+    (g,) = torch.autograd.grad(leak, bag.embed.weight, retain_graph=True)
+    assert result.max_delta == pytest.approx(float(g.to_dense().abs().max()), rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Undefined cosines and frozen groups (issue 12 item 11)
+
+
+def test_cosine_of_losses_that_share_no_parameter_is_undefined() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 1), "b": nn.Linear(3, 1)})
+    x = torch.randn(4, 3)
+    losses = {"a": model["a"](x).sum(), "b": model["b"](x).sum()}
+    report = gradient_report(losses, model)
+    assert report.total.cosines[("a", "b")] is None
+    assert str(report).splitlines()[-1].split()[-1] == "-"
+    # Sharing one parameter makes it defined, and it is the plain cosine of the vectors.
+    shared = {"a": losses["a"], "ab": model["a"].bias.sum() + losses["b"]}
+    cosine = gradient_report(shared, model).total.cosines[("a", "ab")]
+    four = torch.full((1,), 4.0)  # d(sum over 4 rows)/d(bias)
+    g_a = torch.cat([x.sum(0), four, torch.zeros(4)]).double()
+    g_ab = torch.cat([torch.zeros(3), torch.ones(1), x.sum(0), four]).double()
+    assert cosine == pytest.approx(float(g_a @ g_ab / (g_a.norm() * g_ab.norm())), rel=1e-6)
+
+
+def test_a_frozen_group_reads_as_frozen_not_empty() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"trunk": nn.Linear(3, 4), "head": nn.Linear(4, 1)})
+    handle = freeze(model, "trunk")
+    try:
+        loss = model["head"](model["trunk"](torch.randn(2, 3))).sum()
+        report = gradient_report({"main": loss}, model)
+        assert list(report.groups) == ["trunk", "head"]
+        trunk = report["trunk"]
+        assert trunk.numel == 0 and trunk.frozen_numel == 16 and trunk.parameters == ()
+        assert trunk.frozen == ("trunk.weight", "trunk.bias")
+        assert trunk.size == "frozen (16)" and report["head"].size == "5"
+        assert report.total.size == "5 (+16 frozen)"
+        rows = {line.split()[0]: line for line in str(report).splitlines()}
+        assert rows["trunk"].split()[1:4] == ["frozen", "(16)", "-"]
+        data = json.loads(report.to_json())
+        assert data["groups"]["trunk"]["frozen"] == ["trunk.weight", "trunk.bias"]
+        assert data["groups"]["trunk"]["frozen_numel"] == 16
+        by_name = gradient_report({"main": loss}, model, groups=["trunk"])
+        assert by_name["trunk"].size == "frozen (16)" and list(by_name.groups) == [
+            "trunk",
+            "(rest)",
+        ]
+    finally:
+        handle.restore()
