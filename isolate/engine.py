@@ -129,6 +129,7 @@ class IsolationHandle:
                     plan.spec.bn,
                 )
             self._branches.wrap(plan.wraps)
+            self._watch = self._new_watch()
         except BaseException:
             self.restore()
             raise
