@@ -85,3 +85,42 @@ def test_keyboard_interrupt_inside_unfrozen_restores() -> None:
             raise KeyboardInterrupt
         assert state(model) == frozen_state
     assert all(p.requires_grad for p in model.parameters())
+
+
+class Tripwire(nn.Parameter):
+    """A parameter whose first requires_grad_ call is interrupted (as by Ctrl-C)."""
+
+    tripped = False
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tripwire:
+        if not Tripwire.tripped:
+            Tripwire.tripped = True
+            raise KeyboardInterrupt
+        return super().requires_grad_(requires_grad)  # type: ignore[return-value]
+
+
+def test_a_freeze_interrupted_halfway_undoes_what_it_flipped() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    model[2].weight = Tripwire(model[2].weight.detach())
+    Tripwire.tripped = False
+    before = state(model)
+    active = set(isolate.freezing._active)
+    with pytest.raises(KeyboardInterrupt):
+        isolate.freeze(model)
+    assert state(model) == before  # the first four flags and the BatchNorm hold: undone
+    assert set(isolate.freezing._active) == active
+
+
+def test_a_freeze_whose_optimizer_check_fails_changes_nothing() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+
+    class Groups(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            raise Boom("param groups cannot be read")
+
+    optimizer.param_groups = Groups(optimizer.param_groups)
+    before = state(model)
+    with pytest.raises(Boom):
+        isolate.freeze(model, "0", "1", optimizer=optimizer)
+    assert state(model) == before

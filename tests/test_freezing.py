@@ -453,3 +453,83 @@ def test_freeze_names_optimizer_groups_that_could_still_move_frozen_parameters(n
     quiet.restore()
     with pytest.raises(IsolationTypeError, match=r"^freeze\(\): optimizer must be"):
         freeze(net, "head", optimizer="sgd")  # type: ignore[arg-type]
+
+
+# Issue 12, item 6: everything is validated before the first flag flips.
+
+
+def _lazy_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.LazyLinear(2))
+
+
+LAZY = (
+    r"parameters '2\.weight', '2\.bias' of Sequential are uninitialized lazy parameters "
+    r"\(UninitializedParameter, from nn\.LazyLinear and friends\), whose requires_grad cannot be "
+    r"set; nothing was changed\. Fix: run one forward pass with a sample batch first"
+)
+
+
+@pytest.mark.parametrize(
+    ("call", "caller"),
+    [
+        (lambda m: freeze(m), r"freeze\(\)"),
+        (lambda m: freeze(m, "0", "2"), r"freeze\(\)"),
+        (lambda m: unfreeze(m, "*.bias", "2.weight"), r"unfreeze\(\)"),
+        (lambda m: frozen(m).__enter__(), r"freeze\(\)"),
+        (lambda m: Frozen(m), r"Frozen\(\)"),
+        (
+            lambda m: FreezeHandle(
+                m, "spec()", dict(m.named_parameters()), {"1": m[1]}, False, "eval"
+            ),
+            r"spec\(\)",
+        ),
+    ],
+)
+def test_uninitialized_lazy_parameters_are_refused_before_any_change(
+    call: Any, caller: str
+) -> None:
+    model = _lazy_model()
+    model[0].weight.requires_grad_(False)  # a flag the user set, to be kept as it is
+    before = state(model)
+    with pytest.raises(IsolationTypeError, match=rf"^{caller}: {LAZY}"):
+        call(model)
+    assert state(model) == before
+    assert model[0].weight.requires_grad is False and model[2].weight.requires_grad is True
+    model(torch.randn(5, 3))  # the fix: one forward materializes them (LazyLinear -> Linear)
+    wrapped = Frozen(model)  # the refused call left no live wrapper behind
+    assert not any(p.requires_grad for p in model.parameters())
+    wrapped.unwrap()
+    after = state(model)
+    assert (after["flags"], after["ids"], after["modes"]) == (
+        before["flags"],
+        before["ids"],
+        before["modes"],
+    )
+
+
+def test_the_initialized_part_of_a_lazy_model_can_be_frozen() -> None:
+    model = _lazy_model()
+    with frozen(model, "0", "1") as handle:
+        assert handle.names == ("0.weight", "0.bias", "1.weight", "1.bias")
+        assert not model[0].weight.requires_grad and model[2].weight.requires_grad
+
+
+def test_parameters_made_under_inference_mode_are_refused_before_any_change() -> None:
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    before = state(model)
+    # requires_grad=True cannot be set on them again, so a freeze could never be restored.
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^freeze\(\): parameters '0\.weight', '0\.bias', '1\.weight', '1\.bias' of "
+        r"Sequential were created under torch\.inference_mode\(\), so requires_grad=True can "
+        r"never be set on them again and this change could not be undone; nothing was changed",
+    ):
+        freeze(model)
+    assert state(model) == before
+    model[1].weight.requires_grad_(False)
+    with pytest.raises(IsolationTypeError, match=r"^unfreeze\(\): parameter '1\.weight' of"):
+        unfreeze(model, "1")
+    with frozen(model, "1.weight"):  # already frozen: nothing to flip, nothing to undo
+        pass
