@@ -16,7 +16,7 @@ from torch import nn
 
 from isolate.branches import RECORD_LIMIT, Branches
 from isolate.distributed import check_ranks, world_size
-from isolate.drift import max_abs_diff
+from isolate.drift import fingerprint, max_abs_diff
 from isolate.errors import (
     DriftError,
     GradientLeakError,
@@ -25,6 +25,7 @@ from isolate.errors import (
     SpecError,
 )
 from isolate.graph import assert_isolated, walk
+from isolate.sharding import check_leaves
 from isolate.optimizers import find
 from isolate.plan import Names, Plan, shown
 
@@ -65,34 +66,50 @@ class Verification:
 class DriftWatch:
     """The values of named tensors when watched, compared by name later.
 
-    Copies live in host memory, so a frozen backbone does not cost accelerator memory twice.
+    By default each tensor is kept as a 128-bit :func:`~isolate.drift.fingerprint`: any
+    change of any bit is caught for O(number of tensors) memory, but not its size. With
+    ``copy=True`` copies live in host memory (a frozen backbone does not cost accelerator
+    memory twice) and a report gives the largest change.
     """
 
-    def __init__(self, model: nn.Module, params: Sequence[str], buffers: Sequence[str]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[str],
+        buffers: Sequence[str],
+        *,
+        copy: bool = False,
+    ) -> None:
         names = Names.of(model)
         self.params = list(params)
         self.buffers = list(buffers)
-        self._saved = {
-            n: t.detach().to("cpu", copy=True)
-            for n, t in [
-                *((n, names.params[n]) for n in self.params),
-                *((n, names.buffers[n]) for n in self.buffers),
-            ]
-        }
+        self.copy = copy
+        current = {**names.params, **names.buffers}
+        self._saved = {n: self._keep(current[n]) for n in [*self.params, *self.buffers]}
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor | int:
+        return t.detach().to("cpu", copy=True) if self.copy else fingerprint(t)
 
     def __len__(self) -> int:
         return len(self._saved)
 
     def changed(self, model: nn.Module) -> dict[str, float]:
-        """Name -> max |Δ| of every watched tensor that moved; ``inf`` when it is gone."""
+        """Name -> max |Δ| of every watched tensor that moved (``nan`` when only fingerprints
+        are kept: the size is unknown); ``inf`` when the name is gone."""
         names = Names.of(model)
         current = {**names.params, **names.buffers}
         out: dict[str, float] = {}
         for name, saved in self._saved.items():
             now = current.get(name)
-            delta = math.inf if now is None else max_abs_diff(saved, now)
-            if not delta <= 0.0:
-                out[name] = delta
+            if now is None:
+                out[name] = math.inf
+            elif isinstance(saved, int):
+                if fingerprint(now) != saved:
+                    out[name] = math.nan
+            else:
+                delta = max_abs_diff(saved, now)
+                if not delta <= 0.0:
+                    out[name] = delta
         return out
 
     def check(self, model: nn.Module, when: str, caller: str) -> list[IsolationError]:
@@ -101,14 +118,15 @@ class DriftWatch:
         moved = self.changed(model)
         if not moved:
             return []
-        current = {**Names.of(model).params, **Names.of(model).buffers}
+        names = Names.of(model)
+        current = {**names.params, **names.buffers}
         for name in moved:
             if name in current:
-                self._saved[name] = current[name].detach().to("cpu", copy=True)
+                self._saved[name] = self._keep(current[name])
         width = max(len(name) for name in moved)
         lines = [
             f"  {name:<{width}}  ({'buffer' if name in self.buffers else 'parameter'}) "
-            f"max|Δ|={d:.3e}"
+            + ("changed (size unknown: fingerprints only)" if math.isnan(d) else f"max|Δ|={d:.3e}")
             for name, d in list(moved.items())[:8]
         ]
         return [
@@ -180,12 +198,12 @@ def check_losses(
     if plan.protect is None:
         inputs = [t for ts in branch_inputs.values() for t in ts]
         if inputs:
-            leaves = walk(inputs, caller).leaves
+            leaves = _walk(inputs, plan.model, caller)
             upstream = {n: p for n, p in names.params.items() if id(p) in leaves}
     counts: dict[str, int] = {}
     violations: list[IsolationError] = []
     for loss_name, loss in losses.items():
-        reached = walk([loss], caller).leaves
+        reached = _walk([loss], plan.model, caller)
         violations += _bypassed(plan, names, branch_inputs, loss_name, reached, when, caller)
         protected = dict(frozen)
         protected.update(upstream if plan.protect is None else plan.protect.get(loss_name, {}))
@@ -194,7 +212,7 @@ def check_losses(
         if not leaked:
             continue
         try:
-            assert_isolated(loss, leaked)
+            assert_isolated(loss, leaked, model=plan.model)
         except GradientLeakError as error:
             why = (
                 f"protect[{loss_name!r}]"
@@ -208,6 +226,15 @@ def check_losses(
                 )
             )
     return counts, violations
+
+
+def _walk(
+    outputs: Sequence[torch.Tensor], model: nn.Module, caller: str
+) -> dict[int, torch.Tensor]:
+    """The leaves the outputs reach, FSDP2 temporaries mapped to their parameters."""
+    found = walk(outputs, caller)
+    check_leaves(found, [model], caller)
+    return found.leaves
 
 
 def _bypassed(

@@ -29,6 +29,8 @@ from isolate.errors import (
 from isolate.freezing import FreezeHandle
 from isolate.optimizers import OptimizerLink, Optimizers, as_optimizers, place
 from isolate.plan import Plan, resolve, shown
+from isolate.schedule import Clock, Phases
+from isolate.sharding import settle
 from isolate.spec import IsolationSpec
 from isolate.state import FORMAT, check_state, plain
 
@@ -83,7 +85,9 @@ class IsolationHandle:
         self._thaws: dict[str, FreezeHandle] = {}
         self._thawed: dict[str, dict[str, int]] = {}  # group -> {"epoch", "global_step"}, in order
         self._branches = Branches()
-        self._link = OptimizerLink(caller, warn)
+        self._link = OptimizerLink(caller, warn, self._clock)
+        self._phases = Phases(plan.spec.thaw)
+        self.drift: Literal["fingerprint", "copy"] = "fingerprint"
         self._watch: DriftWatch | None = None
         self.position = {"epoch": 0, "global_step": 0}
         self._active = False
@@ -97,15 +101,20 @@ class IsolationHandle:
         *,
         caller: str = "IsolationSpec",
         warn: Callable[[str], None] = _warn,
+        drift: Literal["fingerprint", "copy"] = "fingerprint",
     ) -> IsolationHandle:
         """Resolve ``spec`` on ``model``, check it whole, then change (``IsolationSpec.apply``)."""
         if not isinstance(spec, IsolationSpec):
             raise IsolationTypeError(f"{caller}: spec must be an IsolationSpec, got {type(spec)}")
+        settle(model)  # FSDP2: resolve and flip the sharded parameters, not temporaries
         plan = resolve(spec, model, caller)
         optimizers = as_optimizers(optimizer, caller)
         if optimizers:
             place(plan, optimizers, set(), caller)  # only to refuse before anything changes
+        if drift not in ("fingerprint", "copy"):
+            raise SpecError(f"{caller}: drift must be 'fingerprint' or 'copy', got {drift!r}")
         handle = cls(plan, caller=caller, warn=warn)
+        handle.drift = drift
         handle._apply()
         if optimizers:
             try:
@@ -142,6 +151,7 @@ class IsolationHandle:
     def restore(self, *, optimizers: bool = True) -> None:
         """Undo everything: thaws, wrappers, freezing, holds, and (with ``optimizers=True``)
         the optimizer surgery. Flags and modes go back to exactly what they were."""
+        settle(self.plan.model)
         for handle in reversed(list(self._thaws.values())):
             if handle.active:
                 handle.restore()
@@ -151,6 +161,8 @@ class IsolationHandle:
             self._freeze.restore()
         if optimizers:
             self._link.restore()
+        else:
+            self._link.release()
         self._watch = None
         self._active = False
 
@@ -213,6 +225,7 @@ class IsolationHandle:
                 f"{self._thawed[name]}); a group is thawed once: check handle.thawed before "
                 f"thawing, or give the other parameters a thaw step of their own"
             )
+        settle(self.plan.model)  # FSDP2: a flag set on an unsharded temporary is lost
         self._thaws[name] = FreezeHandle(
             self.plan.model,
             f"{self._caller}(thaw {name!r})",
@@ -257,7 +270,25 @@ class IsolationHandle:
         pending = [t for t in self.plan.spec.thaw if t.name not in self._thawed]
         by_epoch = [t for t in pending if t.epoch is not None and epoch >= t.epoch]
         by_step = [t for t in pending if t.step is not None and step >= t.step]
-        return [str(t.name) for t in [*by_epoch, *by_step]]
+        due = [str(t.name) for t in [*by_epoch, *by_step]]
+        return due + [n for n in self._phases.due(list(self._thawed)) if n not in due]
+
+    def observe(self, metrics: Mapping[str, Any]) -> list[str]:
+        """Take the metrics of a validation run: the ``monitor`` thaw watching now counts a
+        check, and becomes due (thawed by the next :meth:`step`) once its metric stops
+        improving (``patience``, ``min_delta``, ``mode``, as Lightning's ``EarlyStopping``).
+
+        Returns:
+            The groups that became due.
+
+        Raises:
+            SpecError: the watched metric is not in ``metrics``.
+        """
+        self._require_active("observe")
+        return self._phases.observe(metrics, list(self._thawed), self._caller)
+
+    def _clock(self, name: str) -> Clock:
+        return lambda: (self.position, self._thawed[name])
 
     def verify(
         self,
@@ -323,7 +354,9 @@ class IsolationHandle:
             if self.plan.spec.bn == "eval"
             else []
         )
-        return DriftWatch(self.plan.model, list(self.frozen_parameters()), buffers)
+        return DriftWatch(
+            self.plan.model, list(self.frozen_parameters()), buffers, copy=self.drift == "copy"
+        )
 
     @property
     def frozen(self) -> tuple[str, ...]:
@@ -353,6 +386,11 @@ class IsolationHandle:
                 "spec": self.plan.record(),
                 "frozen": list(self.frozen),
                 "thawed": [{"name": n, **at} for n, at in self._thawed.items()],
+                "phases": self._phases.state_dict(),
+                "layout": [  # param names by group, to rewrite optimizer states (isolate.leave)
+                    [[self.plan.names.name(p) for p in g["params"]] for g in opt.param_groups]
+                    for opt in self._link.optimizers
+                ],
             },
             self._caller,
         )
@@ -370,6 +408,7 @@ class IsolationHandle:
         """
         self._require_active("load_state_dict")
         entries = check_state(self.plan.record(), state, self.plan.group_names, self._caller)
+        self._phases.load_state_dict(state.get("phases"), self._caller)
         done: list[str] = []
         try:
             for entry in entries:

@@ -369,11 +369,11 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], type[Exception], str]] 
     ),
     (
         "thaw outside freeze",
-        {"freeze": ["trunk.0"], "thaw": [Thaw("trunk", epoch=1, lr=0.1)]},
+        {"freeze": ["trunk.0"], "thaw": [Thaw("head", epoch=1, lr=0.1)]},
         {},
         SpecError,
-        r"^IsolationCallback: thaw group 'trunk' selects 4 parameters that freeze does not "
-        r"freeze: \['trunk.1.weight', 'trunk.1.bias', 'trunk.3.weight', 'trunk.3.bias'\]",
+        r"^IsolationCallback: thaw group 'head': 'head' selects 2 parameters that freeze does "
+        r"not freeze: \['head.weight', 'head.bias'\]; they are trainable already",
     ),
     (
         "overlapping thaws",

@@ -255,6 +255,14 @@ def test_a_replaced_buffer_is_checked_by_its_new_values() -> None:
         model.trunk[1].running_mean.fill_(0.5)
     handle = IsolationSpec(freeze=["trunk"]).apply(model)
     model.trunk[1].running_mean = torch.zeros(8)
+    with pytest.raises(DriftError, match=r"trunk.1.running_mean  \(buffer\) changed \(size unkn"):
+        handle.verify(checks=("drift",))
+    handle.restore()
+    # With copies, the report also gives the size of the change.
+    with torch.no_grad():
+        model.trunk[1].running_mean.fill_(0.5)
+    handle = IsolationSpec(freeze=["trunk"]).apply(model, drift="copy")
+    model.trunk[1].running_mean = torch.zeros(8)
     with pytest.raises(DriftError, match=r"trunk.1.running_mean  \(buffer\) max\|Δ\|=5.000e-01"):
         handle.verify(checks=("drift",))
     handle.restore()

@@ -72,6 +72,9 @@ class IsolationCallback(Callback):
         on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` with an
             :class:`~isolate.IsolationWarning` and carry on.
         log_grad_norms: whether to log gradient norms per group at each check.
+        drift: how frozen tensors are watched: ``"fingerprint"`` (O(number of tensors) host
+            memory, any changed bit caught) or ``"copy"`` (a host copy of the frozen part; the
+            report gives the size of a change).
 
     Raises:
         SpecError: (at construction) an argument has the wrong type or value; (at setup and
@@ -127,6 +130,7 @@ class IsolationCallback(Callback):
         verify_every_n_steps: int = 50,
         on_violation: Literal["raise", "warn"] = "raise",
         log_grad_norms: bool = True,
+        drift: Literal["fingerprint", "copy"] = "fingerprint",
     ) -> None:
         super().__init__()
         keywords = {
@@ -159,6 +163,9 @@ class IsolationCallback(Callback):
         self.verify_every_n_steps = verify_every_n_steps
         self.on_violation: Literal["raise", "warn"] = on_violation
         self.log_grad_norms = bool(log_grad_norms)
+        if drift not in ("fingerprint", "copy"):
+            raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
+        self.drift: Literal["fingerprint", "copy"] = drift
         self.handle: IsolationHandle | None = None
         self._last_state: dict[str, Any] = {}
         self._modes: list[tuple[nn.Module, bool]] = []
@@ -184,7 +191,9 @@ class IsolationCallback(Callback):
         self._restore()  # a fit that ended without teardown
         check_trainer(trainer, self, _CALLER)
         self._modes = [(m, m.training) for m in pl_module.modules()]
-        self.handle = IsolationHandle.apply(self.spec, pl_module, caller=_CALLER, warn=_warn)
+        self.handle = IsolationHandle.apply(
+            self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift
+        )
 
     def _restore(self) -> None:
         handle, self.handle = self.handle, None
@@ -324,6 +333,14 @@ class IsolationCallback(Callback):
             self._pending_rank_check = None
         self._verify_now = False
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Give the validation metrics to the ``monitor`` thaws (rank 0's, on every rank)."""
+        if self.handle is None or trainer.sanity_checking or not _monitors(self.spec):
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        for name in self.handle.observe(trainer.strategy.broadcast(metrics)):
+            rank_zero_info(f"{_CALLER}: {name!r} is due: its metric stopped improving")
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A last check of drift and ranks."""
         self._check(("drift", "ranks"), "at the end of training")
@@ -385,6 +402,10 @@ def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
     except SpecError as error:  # name what the user called
         message = str(error).replace("IsolationSpec:", f"{_CALLER}:", 1)
         raise SpecError(message) from None
+
+
+def _monitors(spec: IsolationSpec) -> bool:
+    return any(t.monitor is not None for t in spec.thaw)
 
 
 def _warn_on_norm_clipping(trainer: pl.Trainer, detach: tuple[str, ...]) -> None:
