@@ -14,8 +14,10 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
+from isolate import schedulers as lr_schedulers
 from isolate.errors import IsolationTypeError, SpecError
 from isolate.plan import Group, Plan, shown
+from isolate.schedule import Clock, Shaper
 
 __all__ = [
     "OptimizerLink",
@@ -43,10 +45,12 @@ class Slot:
 
 @dataclass
 class Placement:
-    """Which optimizer a thaw group joins, with which param-group settings."""
+    """Which optimizer a thaw group joins, with which param-group settings, and the index of
+    the param group its parameters came from (``None``: from no group)."""
 
     optimizer_idx: int
     options: dict[str, Any]
+    source: int | None = None
 
 
 def as_optimizers(obj: object, caller: str) -> list[torch.optim.Optimizer]:
@@ -190,9 +194,13 @@ def _target(
             )
     else:
         options["lr"] = float(g.thaw.lr)
-    if any("initial_lr" in group for group in opt.param_groups):
+    if any("initial_lr" in group for group in opt.param_groups) and (
+        g.thaw.lr is not None or "initial_lr" not in options
+    ):
+        # A scheduler's base lr: the source group's own when lr is not set (its lr now may
+        # already be scheduled down), else the thaw's lr.
         options["initial_lr"] = options.get("lr", opt.defaults.get("lr"))
-    return Placement(target, options)
+    return Placement(target, options, sources[0] if len(sources) == 1 else None)
 
 
 def take_out(optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Slot]) -> None:
@@ -210,14 +218,31 @@ def add_group(
     params: Sequence[nn.Parameter],
     options: Mapping[str, Any],
     schedulers: Sequence[Any] = (),
+    *,
+    source: int | None = None,
 ) -> dict[str, Any]:
-    """Add ``params`` as one new param group and tell the schedulers of ``opt`` about it.
+    """Add ``params`` as one new param group and give it its state in the schedulers of ``opt``.
 
-    Schedulers learn of a new group through ``base_lrs``; those with other per-group state
-    (``LambdaLR``'s lambdas, ``OneCycleLR``) do not schedule it.
+    Every scheduler of ``opt`` schedules the new group like the group ``source`` (the one the
+    parameters came from; group 0 when ``None``): ``base_lrs`` gets the group's base lr
+    (``initial_lr``, else ``lr``), ``LambdaLR`` / ``MultiplicativeLR`` the source's lambda,
+    ``CyclicLR`` / ``OneCycleLR`` the source's bounds scaled to the new base lr,
+    ``ReduceLROnPlateau`` the source's ``min_lr``. A scheduler it cannot extend is refused
+    before the group is added (see :mod:`isolate.schedulers`).
 
     Returns:
         The new param group.
+
+    Raises:
+        SpecError: a parameter is already in the optimizer, or a scheduler of ``opt`` cannot
+            take a new group.
+
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD([model.weight], lr=0.1)
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    >>> _ = add_group(opt, [model.bias], {"lr": 0.2, "initial_lr": 0.2}, [sched])
+    >>> sched.base_lrs
+    [0.1, 0.2]
     """
     held = {id(p) for group in opt.param_groups for p in group["params"]}
     twice = [i for i, p in enumerate(params) if id(p) in held]
@@ -226,25 +251,29 @@ def add_group(
             f"add_group(): {len(twice)} of the parameters are already in the optimizer; a "
             f"parameter must be in one param group only"
         )
+    mine = lr_schedulers.of(opt, schedulers)
+    for scheduler in mine:
+        lr_schedulers.check(scheduler, source, "add_group()")
     opt.add_param_group({"params": list(params), **options})
     group = opt.param_groups[-1]
-    for scheduler in schedulers:
-        base = getattr(scheduler, "base_lrs", None)
-        if (
-            getattr(scheduler, "optimizer", None) is opt
-            and isinstance(base, list)
-            and len(base) == len(opt.param_groups) - 1
-        ):
-            base.append(options.get("initial_lr", group["lr"]))
+    for scheduler in mine:
+        lr_schedulers.extend(scheduler, opt, source, float(group.get("initial_lr", group["lr"])))
     return group
 
 
 class OptimizerLink:
     """The optimizers an applied spec is attached to, and what it changed in them."""
 
-    def __init__(self, caller: str, warn: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        caller: str,
+        warn: Callable[[str], None],
+        clock: Callable[[str], Clock] | None = None,
+    ) -> None:
         self.caller = caller
         self.warn = warn
+        self.clock = clock  # group name -> where training is now and was at its thaw
+        self.shapers: dict[str, Shaper] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
         self.placements: dict[str, Placement] = {}
@@ -261,6 +290,12 @@ class OptimizerLink:
     ) -> None:
         """Take the frozen parameters out; re-add the groups in ``thawed``, in that order."""
         held, placements = place(plan, optimizers, set(thawed), self.caller)
+        for g in plan.groups:  # refuse before anything changes, not at the thaw
+            where = f"{self.caller}: thaw group {g.name!r}"
+            for scheduler in lr_schedulers.of(
+                optimizers[placements[g.name].optimizer_idx], schedulers
+            ):
+                lr_schedulers.check(scheduler, placements[g.name].source, where)
         self._before = [(o, [list(g["params"]) for g in o.param_groups]) for o in optimizers]
         self.optimizers, self.schedulers = list(optimizers), list(schedulers)
         self.placements = placements
@@ -303,23 +338,40 @@ class OptimizerLink:
                     f"{self.caller}: thaw({g.name!r}, optimizer={optimizer!r}): not one of the "
                     f"{len(self.optimizers)} attached optimizers (an index or the object)"
                 )
-        options = dict(self.placements[g.name].options)
+        placement = self.placements[g.name]
+        options = dict(placement.options)
         if lr is not None:
             options["lr"] = float(lr)
+            if "initial_lr" in options:
+                options["initial_lr"] = float(lr)
         opt = self.optimizers[index]
-        group = add_group(opt, list(g.params.values()), options, self.schedulers)
+        source = placement.source if index == placement.optimizer_idx else None
+        group = add_group(opt, list(g.params.values()), options, self.schedulers, source=source)
         self._added[g.name] = (opt, group)
+        if self.clock is not None and (g.thaw.warmup_ratio is not None or g.thaw.align):
+            reference = opt.param_groups[source if source is not None else 0]
+            self.shapers[g.name] = Shaper(opt, group, reference, g.thaw, self.clock(g.name))
         return group
 
     def unjoin(self, name: str) -> None:
         """Take the param group added for ``name`` out again."""
+        shaper = self.shapers.pop(name, None)
+        if shaper is not None:
+            shaper.remove()
         added = self._added.pop(name, None)
         if added is not None:
             opt, group = added
             opt.param_groups[:] = [g for g in opt.param_groups if g is not group]
 
+    def release(self) -> None:
+        """Take the lr shapers' hooks off the optimizers (groups stay as they are)."""
+        for shaper in self.shapers.values():
+            shaper.remove()
+        self.shapers.clear()
+
     def restore(self) -> None:
         """Put every param group back as it was at :meth:`attach`."""
+        self.release()
         for opt, groups in self._before:
             del opt.param_groups[len(groups) :]
             for group, params in zip(opt.param_groups, groups, strict=True):
