@@ -208,6 +208,9 @@ def _explain(message: str, parser: Any) -> str:
         path = class_path.group(1) or class_path.group(2)
         return f"{short}{_did_you_mean(option.group(1), _parameters(path))}"
     # An option (or config key) the parser does not know.
+    given = re.search(r"unrecognized arguments: --([\w.]+)", short)
+    if given:
+        return f"{short}{_did_you_mean(given.group(1), _options(parser))}"
     unknown = re.search(
         r"does not accept option '([\w.]+)'|Option '([\w.]+)' is not accepted", short
     )

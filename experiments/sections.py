@@ -11,7 +11,7 @@ kind            what it shows (parameters)
 ``drift``       how far the trunk's parameters, BatchNorm statistics and counters moved from
                 the start, per step (``drift.png``) and at the end
 ``error``       the exception that stopped the run, in full (``note``: a sentence after it)
-``reversal``    what a gradient reversal did to an attribute: the ``adversary``'s accuracy,
+``adversary``   what a gradient reversal did to an attribute: the ``adversary``'s accuracy,
                 a detached ``probe``'s on the same features, and the probe's in the run
                 ``without`` reversal
 ``collapse``    the spread of SimSiam's output and the kNN accuracy (``collapse.png``)
@@ -171,10 +171,10 @@ def _error(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> l
 
 
 # --------------------------------------------------------------------------------------------
-# reversal
+# adversary
 
 
-def _reversal(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+def _adversary(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
     runs, variants = results["runs"], results["variants"]
     lines: list[str] = []
     for name, params in entries:
@@ -271,7 +271,7 @@ def _collapse(entries: Sequence[Entry], results: dict[str, Any], output: Path) -
 SECTIONS: dict[str, Section] = {
     "drift": _drift,
     "error": _error,
-    "reversal": _reversal,
+    "adversary": _adversary,
     "collapse": _collapse,
 }
 

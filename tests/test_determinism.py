@@ -35,11 +35,17 @@ REPORT_FILES = (
     "gradient_delta.png",
     "accuracy.png",
     "drift.png",
-    "simsiam.png",
+    "collapse.png",
 )
 # Every variant, at 5 steps instead of the quick preset's 20: the point is the bytes, not
-# the claims (some checks fail at this length, the same way in both runs).
+# the claims. At this length exactly these checks fail, the same way in both runs, so the
+# suite exits with status 1 (a failed check), not with a crash.
 SMALL = ("--data.limit_train=640", "--data.limit_val=128", "--data.limit_test=128")
+FAILING_AT_5_STEPS = [
+    "FAILED detached: the probe branch learns: ",
+    "FAILED inplace_cloned: the editor branch learns: ",
+    "FAILED simsiam_no_stopgrad: the output collapses: its spread falls far below simsiam's: ",
+]
 # An absolute path: a slash at the start of a word, then at least one more component.
 ABSOLUTE = re.compile(r"(?:^|[\s\"'`(=:])/[\w.-]+/")
 WALL_CLOCK = re.compile(r"\d(?:\.\d+)? ?s\b|\bseconds\b")
@@ -53,8 +59,9 @@ def _env(hash_seed: int) -> dict[str, str]:
     return env
 
 
-def _twice(commands: Sequence[Sequence[str]]) -> None:
-    """Run each command of the pair at the same time, from the repository, and wait for both."""
+def _twice(commands: Sequence[Sequence[str]]) -> list[tuple[int, str]]:
+    """Run each command of the pair at the same time, from the repository, and wait for both;
+    returns each one's exit status and output."""
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "experiments", *command],
@@ -67,28 +74,36 @@ def _twice(commands: Sequence[Sequence[str]]) -> None:
         for hash_seed, command in enumerate(commands, 1)
     ]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    for proc, output in zip(procs, outputs, strict=True):
-        # The suite exits with 1 when a check fails, which the short runs may do.
-        assert proc.returncode in (0, 1), output[-4000:]
+    for output in outputs:
+        assert "Traceback" not in output, output[-4000:]
+    return [(proc.returncode, output) for proc, output in zip(procs, outputs, strict=True)]
 
 
 @pytest.fixture(scope="module")
 def suites(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folders = [tmp_path_factory.mktemp(f"suite_{run}") for run in "ab"]
-    _twice(
+    done = _twice(
         [
             [
                 "suite",
                 "--quick",
                 f"--output={folder / 'report'}",
-                f"--data-root={SHARED_DATA}",  # absolute: the report shows it relative
-                f"--cache-dir={folder / 'cache'}",  # another per run: not in the report either
-                "--no-progress-bar",
+                f"--data.data_root={SHARED_DATA}",  # absolute: the report shows it relative
+                f"--data.cache_dir={folder / 'cache'}",  # another per run: not in the report
+                "--trainer.enable_progress_bar=false",
                 *SMALL,
             ]
             for folder in folders
         ]
     )
+    for code, output in done:
+        # 1 is also what a crash gives: the exact failed checks tell them apart.
+        assert code == 1, output[-4000:]
+        failed = [line.strip() for line in output.splitlines() if line.startswith("  FAILED")]
+        assert len(failed) == len(FAILING_AT_5_STEPS), output[-4000:]
+        for line, expected in zip(failed, FAILING_AT_5_STEPS, strict=True):
+            assert line.startswith(expected), (line, expected)
+        assert "suite: 20/23 checks passed" in output
     return folders[0] / "report", folders[1] / "report"
 
 
@@ -133,7 +148,7 @@ def test_report_holds_no_absolute_path_and_no_wall_clock_time(
 @pytest.mark.slow
 def test_fit_twice_gives_bitwise_identical_weights(tmp_path: Path) -> None:
     folders = [tmp_path / run for run in "ab"]
-    _twice(
+    done = _twice(
         [
             [
                 "fit",
@@ -153,9 +168,10 @@ def test_fit_twice_gives_bitwise_identical_weights(tmp_path: Path) -> None:
             for folder in folders
         ]
     )
+    assert [code for code, _ in done] == [0, 0], done[0][1][-4000:] + done[1][1][-4000:]
     states = []
     for folder in folders:
-        (checkpoint,) = (folder / "checkpoints").glob("*.ckpt")
+        (checkpoint,) = folder.glob("detached/version_0/checkpoints/*.ckpt")
         states.append(torch.load(checkpoint, map_location="cpu", weights_only=False))
     first, second = (state["state_dict"] for state in states)
     assert list(first) == list(second)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import doctest
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +26,16 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import experiments.cli  # noqa: E402
+import experiments.formats  # noqa: E402
 import experiments.model  # noqa: E402
 import experiments.simsiam  # noqa: E402
+from experiments.__main__ import main  # noqa: E402
+from experiments.claims import evaluate_checks  # noqa: E402
 from experiments.model import Branch, IsolationNet  # noqa: E402
-from experiments.suite import VARIANTS, run_suite  # noqa: E402
+from experiments.suite import _split, run_suite  # noqa: E402
+from experiments.variants import discover, load  # noqa: E402
+
+VARIANTS = discover()
 
 needs_data = pytest.mark.skipif(
     not (SHARED_DATA / "MNIST" / "raw").is_dir(),
@@ -38,7 +46,9 @@ pytestmark = [
     # Lightning 2.6's CLI calls jsonargparse APIs that jsonargparse 4.49 deprecates.
     pytest.mark.filterwarnings("ignore::jsonargparse._deprecated.JsonargparseDeprecationWarning"),
 ]
-PLOTS = ("gradient_delta.png", "accuracy.png", "drift.png", "simsiam.png")
+PLOTS = ("gradient_delta.png", "accuracy.png", "drift.png", "collapse.png")
+# A few steps are enough where the point is the machinery, not the claims.
+FIVE_STEPS = ["--data.limit_train=640", "--data.limit_val=128", "--data.limit_test=128"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +73,7 @@ def _runs(suite: tuple[Path, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def test_doctests_of_the_experiment_modules() -> None:
-    for module in (experiments.cli, experiments.model, experiments.simsiam):
+    for module in (experiments.cli, experiments.formats, experiments.model, experiments.simsiam):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
@@ -120,7 +130,7 @@ def test_checkpoint_resumes_with_the_branch_streams(tmp_path: Path) -> None:
 
     first = cli(1)
     first.trainer.fit(first.model, datamodule=first.datamodule)
-    (checkpoint,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    (checkpoint,) = tmp_path.glob("*/version_0/checkpoints/*.ckpt")  # the logger's folder
     # Plain types only: the checkpoint loads without unpickling arbitrary objects.
     assert torch.load(checkpoint, weights_only=True)["hyper_parameters"]["branches"][0] == {
         **vars(first.model.specs["probe"])
@@ -152,12 +162,25 @@ def test_report_files_are_written(suite: tuple[Path, dict[str, Any]]) -> None:
         assert (output / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
         assert f"({plot})" in report
     assert json.loads((output / "results.json").read_text())["checks"] == results["checks"]
-    for section in ("## Checks", "## Reachability audit", "## Frozen trunk", "## SimSiam"):
+    for section in (
+        "## Checks",
+        "## Reachability audit",
+        "## Frozen trunk",
+        "## SimSiam",
+        "## Runs stopped by an error",
+        "## Gradient reversal: reversal",  # the section the run declares
+    ):
         assert section in report
     assert set(results["runs"]) == {v.name for v in VARIANTS}
-    assert not (output / "runs" / "baseline" / "grads.pt").exists()  # tens of MB: removed
+    # The reproduce lines of the compared runs read it: kept.
+    assert (output / "runs" / "baseline" / "grads.pt").is_file()
     failed = [c for c in results["checks"] if not c["ok"]]
-    assert failed == [] and len(results["checks"]) >= 20
+    declared = sum(len(v.claims) for v in VARIANTS)
+    assert failed == [] and len(results["checks"]) == declared + 2  # gradient_equal: 2 each
+    # Every run logged its metrics with the logger, per step and per epoch.
+    metrics = output / "runs" / "detached" / "detached" / "version_0" / "metrics.csv"
+    header = metrics.read_text().splitlines()[0].split(",")
+    assert {"train/loss_step", "train/loss_epoch", "val/acc/main", "test/acc/probe"} <= set(header)
 
 
 @needs_data
@@ -170,12 +193,12 @@ def test_detached_branches_leave_the_trunk_gradient_exactly_unchanged(
     assert steps > 0
     for name in ("detached", "inplace_cloned"):
         assert runs[name]["grad_delta"] == [0.0] * steps, name
-        assert suite[1]["trunk_vs_baseline"][name]["bitwise_equal"] is True
+        assert suite[1]["trunk_vs_reference"][name]["bitwise_equal"] is True
         assert runs[name]["test"]["acc/main"] == runs["baseline"]["test"]["acc/main"]
     for name in ("attached", "reversal"):
         deltas = runs[name]["grad_delta"]
         assert len(deltas) == steps and all(d > 0.0 for d in deltas), name
-        assert suite[1]["trunk_vs_baseline"][name]["bitwise_equal"] is False
+        assert suite[1]["trunk_vs_reference"][name]["bitwise_equal"] is False
 
 
 @needs_data
@@ -244,9 +267,9 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
             "--ddp",
             "--only=detached,attached",
             f"--output={tmp_path / 'suite'}",
-            f"--data-root={SHARED_DATA}",
-            f"--cache-dir={tmp_path / 'cache'}",
-            "--no-download",
+            f"--data.data_root={SHARED_DATA}",
+            f"--data.cache_dir={tmp_path / 'cache'}",
+            "--data.download=false",
         ],
         cwd=REPO,
         env=env,
@@ -263,7 +286,7 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
     assert steps > 0
     assert runs["detached"]["grad_delta"] == [0.0] * steps
     assert all(d > 0.0 for d in runs["attached"]["grad_delta"])
-    assert results["trunk_vs_baseline"]["detached"]["bitwise_equal"] is True
+    assert results["trunk_vs_reference"]["detached"]["bitwise_equal"] is True
     assert all(check["ok"] for check in results["checks"])
 
 
@@ -288,4 +311,282 @@ def test_the_same_suite_runs_on_fashion_mnist(tmp_path: Path) -> None:
     assert all(check["ok"] for check in results["checks"]), results["checks"]
     report = (tmp_path / "report.md").read_text()
     assert report.startswith("# Gradient isolation on Fashion-MNIST")
-    assert "--dataset fashion_mnist" in report
+    assert "--data.dataset=fashion_mnist" in report
+
+
+# --------------------------------------------------------------------------------------------
+# Variants declare themselves
+
+
+def _fake_results(**runs: dict[str, Any]) -> dict[str, Any]:
+    """Results with declarations taken from the real configs, and the given records."""
+    by_name = {v.name: v for v in VARIANTS}
+    return {
+        "runs": runs,
+        "variants": {name: by_name[name].declaration() for name in runs},
+        "trunk_vs_reference": {},
+    }
+
+
+def test_each_config_declares_its_role_claims_and_report() -> None:
+    names = [v.name for v in VARIANTS]
+    assert names[0] == "baseline"  # the run others are compared with goes first
+    assert sorted(names) == sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+    for variant in VARIANTS:
+        assert variant.role and variant.claims, variant.name
+    guarded = {v.name: v for v in VARIANTS}["inplace_guarded"]
+    assert guarded.expect_error == "InplaceModificationError"
+    assert {v.name for v in VARIANTS if v.compare_with == "baseline"} >= {"detached", "attached"}
+
+
+def test_a_declaration_with_an_unknown_field_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("# bad\nvariant:\n  role: x\n  claim: []\n")
+    with pytest.raises(ValueError, match=r"^bad.yaml: 'variant:' has unknown fields \['claim'\]"):
+        load(bad)
+    bad.write_text("# bad\nmodel: {}\n")
+    with pytest.raises(ValueError, match=r"^bad.yaml: no 'variant:' block"):
+        load(bad)
+
+
+def test_no_variant_name_in_the_suite_or_report_code() -> None:
+    code = "".join(
+        (REPO / "experiments" / f"{m}.py").read_text()
+        for m in ("suite", "report", "claims", "sections", "variants")
+    )
+    for variant in VARIANTS:
+        assert not re.search(rf"[\"']{variant.name}[\"']", code), variant.name
+    assert 'startswith("frozen")' not in code and 'SimSiam"' not in code
+
+
+def test_claims_fail_when_the_run_breaks_them() -> None:
+    steps = 3
+    good = {"status": "ok", "steps": steps, "grad_delta": [0.0] * steps}
+    base = {"status": "ok", "steps": steps, "audit": {"main": {"trunk": [8, 8]}}}
+    results = _fake_results(baseline=base, detached=dict(good))
+    results["trunk_vs_reference"] = {"detached": {"bitwise_equal": True, "max_delta": 0.0}}
+    results["runs"]["detached"]["audit"] = {
+        "probe": {"trunk": [0, 8]},
+        "ink_probe": {"trunk": [0, 8]},
+    }
+    results["runs"]["detached"]["test"] = {"acc/probe": 0.5}
+    results["runs"]["detached"]["chance"] = {"acc/probe": 0.11}
+    assert [c["ok"] for c in evaluate_checks(results)] == [True] * 6
+    # One step off by the smallest amount, one parameter reached, a probe at chance.
+    results["runs"]["detached"]["grad_delta"] = [0.0, 1e-30, 0.0]
+    results["runs"]["detached"]["audit"]["probe"]["trunk"] = [1, 8]
+    results["runs"]["detached"]["test"] = {"acc/probe": 0.11}
+    checks = evaluate_checks(results)
+    assert [c["ok"] for c in checks] == [True, False, True, False, False, True]
+    assert checks[1]["observed"] == "2/3 steps exactly 0.0, max|Δ| = 1e-30"
+    # A run that should finish and crashed: one failed check instead of its claims.
+    results["runs"]["detached"] = {"status": "error", "error": {"type": "crash", "message": "x"}}
+    assert [(c["check"], c["ok"]) for c in evaluate_checks(results)[1:]] == [
+        ("the run finishes", False)
+    ]
+    results["variants"]["detached"]["claims"] = [{"check": "teleports"}]
+    results["runs"]["detached"] = dict(good)
+    with pytest.raises(ValueError, match=r"^detached: unknown claim 'teleports'"):
+        evaluate_checks(results)
+
+
+def test_frozen_and_collapse_claims_read_the_declared_series() -> None:
+    zeros = {"parameters": [0.0, 0.0], "buffers": [0.0, 0.0], "counters": [0.0, 0.0]}
+    moved = {"parameters": [0.0, 0.0], "buffers": [0.0, 0.5], "counters": [1.0, 2.0]}
+    frozen = {
+        "status": "ok",
+        "drift": zeros,
+        "test": {"acc/main": 0.6},
+        "chance": {"acc/main": 0.1},
+    }
+    naive = {"status": "ok", "drift": moved}
+    siam = {"status": "ok", "train": {"z_std": [0.1, 0.11], "z_std_ref": [0.125, 0.125]}}
+    collapsed = {"status": "ok", "train": {"z_std": [0.1, 0.02], "z_std_ref": [0.125, 0.125]}}
+    results = _fake_results(
+        frozen_trunk=frozen, frozen_trunk_naive=naive, simsiam=siam, simsiam_no_stopgrad=collapsed
+    )
+    assert all(c["ok"] for c in evaluate_checks(results))
+    frozen["drift"] = {**zeros, "counters": [0.0, 1.0]}  # the counter moved once
+    collapsed["train"]["z_std"] = [0.1, 0.06]  # more than half of simsiam's 0.11
+    failed = [(c["variant"], c["check"]) for c in evaluate_checks(results) if not c["ok"]]
+    assert failed == [
+        ("frozen_trunk", "BatchNorm running statistics and num_batches_tracked never move"),
+        ("simsiam_no_stopgrad", "the output collapses: its spread falls far below simsiam's"),
+    ]
+
+
+@needs_data
+@pytest.mark.slow
+def test_a_new_variant_is_one_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    shutil.copy(REPO / "configs" / "baseline.yaml", configs)
+    (configs / "two_probes.yaml").write_text(
+        "# Two detached probes on the digit.\n"
+        "model:\n  class_path: experiments.model.IsolationNet\n  init_args:\n    branches:\n"
+        "      - {name: first, connect: detached}\n      - {name: second, connect: detached}\n"
+        "variant:\n  role: two detached probes\n  compare_with: baseline\n  claims:\n"
+        "    - {check: gradient_equal}\n    - {check: reaches, loss: second, expect: none}\n"
+    )
+    monkeypatch.chdir(REPO)
+    results = run_suite(
+        tmp_path / "suite",
+        quick=True,
+        only=["two_probes"],
+        variants=discover(configs),
+        data_root=str(SHARED_DATA),
+        cache_dir=str(tmp_path / "cache"),
+        overrides=FIVE_STEPS,
+    )
+    assert list(results["runs"]) == ["baseline", "two_probes"]
+    checks = [(c["variant"], c["check"], c["ok"]) for c in results["checks"]]
+    assert checks == [
+        ("baseline", "the main loss reaches every trunk parameter (graph audit)", True),
+        ("two_probes", "trunk gradient equals the compared run's at every step", True),
+        (
+            "two_probes",
+            "final trunk weights and BatchNorm statistics equal the compared run's",
+            True,
+        ),
+        ("two_probes", "the second loss reaches no trunk parameter (graph audit)", True),
+    ]
+    assert (
+        "| two_probes | two detached probes | ok | 5 |"
+        in (tmp_path / "suite" / "report.md").read_text()
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+
+
+def test_help_lists_the_suite_and_names_the_program(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "usage: python -m experiments [-c CONFIG] {fit,validate,test,predict,suite}"
+    )
+    assert re.search(r"^    suite +Run every variant in configs/", out, flags=re.M)
+    assert "__main__" not in out
+    with pytest.raises(SystemExit) as info:
+        main(["suite", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m experiments suite")
+    for option in ("--data.data_root", "--data.download", "--data.dataset", "--threads"):
+        assert option in out
+
+
+def test_fit_without_a_config_says_which_flag_to_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["fit"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "python -m experiments: error: fit needs a model: pass a variant's config, e.g. "
+        "python -m experiments fit --config configs/detached.yaml (variants in configs/: "
+        "attached, baseline,"
+    )
+    assert len(err.splitlines()) == 2  # the message and where the full usage is
+
+
+def test_a_misspelt_subcommand_or_option_gets_a_suggestion(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["fitt"])
+    assert "invalid choice: 'fitt'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(REPO / "configs" / "baseline.yaml"), "--data.batch_sise=3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (
+        "python -m experiments fit: error: unrecognized arguments: --data.batch_sise=3; "
+        "did you mean 'data.batch_size'?"
+    )
+
+
+def test_suite_options_are_spelled_like_fits_and_the_old_ones_still_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    mine, runs = _split(
+        ["--quick", "--data.data_root=x", "--data.limit_train=64", "--trainer.max_steps", "3"]
+    )
+    assert mine == ["--quick", "--data.data_root=x"]
+    assert runs == ["--data.limit_train=64", "--trainer.max_steps=3"]
+    mine, runs = _split(["--data-root", "x", "--no-download", "--no-progress-bar"])
+    assert mine == ["--data.data_root", "x", "--data.download=false"]
+    assert runs == ["--trainer.enable_progress_bar=false"]
+    err = capsys.readouterr().err
+    assert "--data-root is deprecated; use --data.data_root" in err
+
+
+@pytest.mark.parametrize("command", ["fit", "suite"])
+def test_missing_data_is_one_message_with_the_flag_to_pass(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = [
+        f"--data.data_root={empty}",
+        "--data.download=false",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+    ]
+    if command == "fit":
+        args += [
+            "--config",
+            str(REPO / "configs" / "baseline.yaml"),
+            f"--trainer.default_root_dir={tmp_path / 'runs'}",
+        ]
+    else:
+        args += [f"--output={tmp_path / 'suite'}"]
+    assert main([command, *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m experiments: data error: ")
+    assert "--data.download=true" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) < 10  # the data module's message: what, where, fix
+
+
+# --------------------------------------------------------------------------------------------
+# Reproduce lines
+
+
+@needs_data
+@pytest.mark.slow
+def test_a_reproduce_line_run_as_printed_gives_the_suites_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(REPO)  # the suite's working directory, where the line is run from
+    output = tmp_path / "suite"
+    results = run_suite(
+        output,
+        quick=True,
+        only=["attached"],
+        data_root=str(SHARED_DATA),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    expected = results["runs"]["attached"]
+    line = (output / "runs" / "attached" / "command.txt").read_text()
+    assert line.startswith("python -m experiments fit --config configs/attached.yaml")
+    assert "--threads=1" in line and "--record.reference=" in line
+    (output / "runs" / "attached" / "run.json").unlink()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # --threads says it
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    env.pop("ISOLATE_DATA_ROOT", None)
+    done = subprocess.run(
+        ["sh", "-c", line],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = json.loads((output / "runs" / "attached" / "run.json").read_text())
+    again.pop("seconds")
+    for key in ("grad_delta", "grad_norm", "train", "val", "test", "drift", "steps"):
+        assert again[key] == expected[key], key
+    assert all(d > 0 for d in again["grad_delta"])  # it compared with the baseline's grads.pt
