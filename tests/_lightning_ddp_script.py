@@ -6,7 +6,9 @@ the second process by running this same command again; both processes then run:
 * ``isolate``: IsolationCallback freezes the trunk, detaches the aux branch, thaws
   ``trunk.0`` before step 1 and the rest of the trunk at epoch 1 (2 steps per epoch);
 * ``backbone``: Lightning's BackboneFinetuning thaws the trunk at epoch 1 (the negative
-  control), with an IsolationCallback that only checks (``on_violation="warn"``).
+  control), with an IsolationCallback that only checks (``on_violation="warn"``);
+* ``raise``: the same with ``on_violation="raise"``: every rank stops with
+  ``RankDivergenceError``.
 
 Each rank writes ``OUT_DIR/<mode>-rank<r>.json``: a checksum of every parameter at fit start
 and at the end of each epoch, the number of parameters DDP synchronises at each epoch start, and the
@@ -27,8 +29,7 @@ import torch
 from _lightning_models import BackboneNet, Net, loader, trainer
 from pytorch_lightning.callbacks import BackboneFinetuning
 
-import isolate.lightning
-from isolate.lightning import IsolationCallback, IsolationWarning, Thaw
+from isolate.lightning import IsolationCallback, IsolationWarning, RankDivergenceError, Thaw
 
 
 class Record(pl.Callback):
@@ -74,7 +75,9 @@ def run(out: Path, mode: str) -> None:
         model = BackboneNet()
         callbacks = [
             BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05),
-            IsolationCallback(verify_every_n_steps=1, on_violation="warn"),
+            IsolationCallback(
+                verify_every_n_steps=1, on_violation="raise" if mode == "raise" else "warn"
+            ),
         ]
     record = Record()
     fit = trainer(
@@ -84,10 +87,15 @@ def run(out: Path, mode: str) -> None:
         devices=2,
         strategy="ddp",
     )
+    error: BaseException | None = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", IsolationWarning)
-        fit.fit(model, loader())
+        try:
+            fit.fit(model, loader())
+        except RankDivergenceError as raised:  # mode "raise": every rank raises it
+            error = raised
     result: dict[str, Any] = {
+        "error": None if error is None else f"{type(error).__name__}: {error}",
         "rank": fit.global_rank,
         "world_size": fit.world_size,
         "synced": record.synced,
@@ -100,11 +108,9 @@ def run(out: Path, mode: str) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    # Compare ranks in buckets of 16 elements, so that a tiny model spans many of them.
-    isolate.lightning._RANK_CHECK_BUCKET = 16
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning, module="pytorch_lightning")
-    for mode in ("isolate", "backbone"):
+    for mode in ("isolate", "backbone", "raise"):
         run(out, mode)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -36,7 +36,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     assert done.returncode == 0, done.stderr[-4000:]
     return {
         mode: [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
-        for mode in ("isolate", "backbone")
+        for mode in ("isolate", "backbone", "raise")
     }
 
 
@@ -77,3 +77,16 @@ def test_backbone_finetuning_diverges_and_is_reported(
         first = rank["warnings"][0]
         assert first.startswith("IsolationCallback: parameters differ across the 2 ranks")
         assert "'trunk.0.weight'" in first and "'trunk.3.weight'" in first
+
+
+def test_rank_divergence_raises_on_every_rank(runs: dict[str, list[dict[str, Any]]]) -> None:
+    for rank in runs["raise"]:
+        assert rank["error"] is not None, "the divergence was not raised"
+        assert rank["error"].startswith(
+            "RankDivergenceError: IsolationCallback: parameters differ across the 2 ranks "
+            "(after thawing"
+        ) or rank["error"].startswith(
+            "RankDivergenceError: IsolationCallback: parameters differ across the 2 ranks (at step"
+        )
+        assert "'trunk.0.weight'" in rank["error"]
+        assert rank["requires_grad_after_fit"]  # on_exception restored everything
