@@ -1,0 +1,223 @@
+"""Every refusal of IsolationCallback, each reached through a real (tiny) Trainer where it can
+be, with its message and with the model left as it was.
+
+Issue 17 found these raise sites unexercised; each test below fails if its check is removed.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _lightning_models import Net, TwoOptimizerNet, loader, state, trainer
+
+from isolate import IsolationSpec, IsolationTypeError
+from isolate.lightning import (
+    CheckpointMismatchError,
+    IsolationCallback,
+    SpecError,
+    Thaw,
+)
+from isolate.lightning.ddp import check_trainer
+from isolate.state import plain
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore::isolate.IsolationWarning"),
+]
+
+
+def unchanged(model: Net, before: dict[str, torch.Tensor]) -> None:
+    after = state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.requires_grad for p in model.parameters())
+    assert type(model.aux) is torch.nn.Sequential
+
+
+def test_spec_and_keywords_are_one_or_the_other() -> None:
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationCallback: give spec= or the spec's keywords \['freeze'\], not both",
+    ):
+        IsolationCallback(spec=IsolationSpec(freeze=["trunk"]), freeze=["head"])
+    with pytest.raises(
+        SpecError,
+        match=r"spec must be an isolate.IsolationSpec, got dict; for a mapping use "
+        r"IsolationSpec.from_dict",
+    ):
+        IsolationCallback(spec={"freeze": ["trunk"]})  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"drift must be 'fingerprint' or 'copy', got 'none'"):
+        IsolationCallback(drift="none")  # type: ignore[arg-type]
+    spec = IsolationSpec(freeze=["trunk"], detach=["aux"])
+    assert IsolationCallback(spec=spec).spec is spec
+    assert (
+        repr(IsolationCallback(spec=spec)) == "IsolationCallback(freeze=['trunk'], detach=['aux'])"
+    )
+
+
+def test_two_callbacks_on_one_trainer_are_refused(tmp_path: Path) -> None:
+    model = Net()
+    before = state(model)
+    # Lightning refuses two stateful callbacks with one state key when the Trainer is built;
+    # one added afterwards reaches fit, and the callback refuses it itself.
+    fit = trainer(tmp_path, [IsolationCallback(freeze=["trunk"])])
+    fit.callbacks.append(IsolationCallback(detach=["aux"]))
+    with pytest.raises(
+        SpecError,
+        match=r"the Trainer has 2 IsolationCallbacks; their checkpoint states would collide",
+    ):
+        fit.fit(model, loader())
+    unchanged(model, before)
+
+
+def test_an_unsupported_strategy_is_refused_by_name() -> None:
+    callback = IsolationCallback(freeze=["trunk"])
+
+    class ShardingStrategy:
+        pass
+
+    fake = types.SimpleNamespace(callbacks=[callback], strategy=ShardingStrategy())
+    with pytest.raises(SpecError, match=r"ShardingStrategy strategy is not supported"):
+        check_trainer(fake, callback, "IsolationCallback")  # type: ignore[arg-type]
+
+
+def test_isolation_losses_must_be_a_dict_of_tensors(tmp_path: Path) -> None:
+    class BadLosses(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.isolation_losses = [loss]
+            return loss
+
+    model = BadLosses()
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"BadLosses.isolation_losses must be a dict of loss name -> loss tensor, "
+        r"got \[tensor",
+    ):
+        trainer(tmp_path, [IsolationCallback(detach=["aux"], verify_every_n_steps=1)]).fit(
+            model, loader()
+        )
+    assert type(model.aux) is torch.nn.Sequential  # on_exception took the wrapper off
+
+
+def test_protect_names_a_loss_training_step_does_not_set(tmp_path: Path) -> None:
+    callback = IsolationCallback(
+        protect={"aux": ["trunk"], "decoder": ["trunk"]}, verify_every_n_steps=1
+    )
+    with pytest.raises(
+        SpecError,
+        match=r"protect names the losses \['decoder'\], but Net.training_step set "
+        r"isolation_losses with \['aux'\]",
+    ):
+        trainer(tmp_path, [callback]).fit(Net(), loader())
+
+
+def test_optimizer_state_for_frozen_parameters_is_refused(tmp_path: Path) -> None:
+    class Stepped(Net):
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            for p in self.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()  # momentum buffers for every parameter, frozen ones included
+            opt.zero_grad()
+            return opt
+
+    model = Stepped()
+    with pytest.raises(
+        SpecError, match=r"already holds state for frozen parameters \['trunk.0.weight'"
+    ):
+        trainer(tmp_path, [IsolationCallback(freeze=["trunk"])]).fit(model, loader())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_thaw_whose_parameters_sit_in_two_optimizers_must_say_which(tmp_path: Path) -> None:
+    class Both(TwoOptimizerNet):
+        def configure_optimizers(self) -> Any:
+            return (
+                torch.optim.SGD([*self.trunk[0].parameters(), *self.head.parameters()], lr=0.1),
+                torch.optim.SGD([*self.trunk[3].parameters(), *self.aux.parameters()], lr=0.1),
+            )
+
+    model = Both()
+    before = state(model)
+    callback = IsolationCallback(freeze=["trunk"], thaw=[Thaw(["trunk.0", "trunk.3"], epoch=1)])
+    with pytest.raises(
+        SpecError,
+        match=r"thaw group 'trunk.0\+trunk.3': its parameters sit in optimizers \[0, 1\]; "
+        r"say which one receives them with optimizer_idx=",
+    ):
+        trainer(tmp_path, [callback]).fit(model, loader())
+    unchanged(model, before)
+
+
+def test_a_checkpoint_with_malformed_state_is_refused(tmp_path: Path) -> None:
+    callback = IsolationCallback(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1, lr=0.1)])
+    fit = trainer(tmp_path, [callback], max_epochs=2, enable_checkpointing=True)
+    fit.fit(Net(), loader())
+    path = tmp_path / "last.ckpt"
+    fit.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    key = next(k for k in checkpoint["callbacks"] if k.startswith("IsolationCallback"))
+    cases = {
+        "thawed": (
+            [{"name": "trunk.3", "epoch": "one", "global_step": 4}],
+            r"'thawed' must be a list of",
+        ),
+        "frozen": (
+            ["trunk.0.weight"],
+            r"lists \['trunk.0.weight'\] as frozen, but its schedule leaves",
+        ),
+        "format": (2, r"has format 2, expected 1"),
+    }
+    for field, (value, match) in cases.items():
+        broken = torch.load(path, weights_only=True)
+        broken["callbacks"][key][field] = value
+        torch.save(broken, tmp_path / f"{field}.ckpt")
+        model = Net()
+        again = IsolationCallback(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1, lr=0.1)])
+        with pytest.raises(CheckpointMismatchError, match=match):
+            trainer(tmp_path / field, [again], max_epochs=3).fit(
+                model, loader(), ckpt_path=tmp_path / f"{field}.ckpt", weights_only=True
+            )
+        assert all(p.requires_grad for p in model.parameters()), field
+
+
+def test_state_that_cannot_be_saved_is_refused_by_type() -> None:
+    with pytest.raises(
+        IsolationTypeError, match=r"^IsolationCallback: cannot save object .* expected plain str"
+    ):
+        plain({"lr": object()}, "IsolationCallback")
+    assert plain({"lr": torch.tensor(0.5).item(), "names": ("a",)}, "x") == {
+        "lr": 0.5,
+        "names": ["a"],
+    }
+
+
+def test_manual_backward_twice_checks_the_second_loss_against_the_same_forward(
+    tmp_path: Path,
+) -> None:
+    # Issue 12 item 5: the first backward used to clear what the Detached wrapper recorded.
+    class TwoBackwards(TwoOptimizerNet):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            x, y, z = batch
+            main_opt, aux_opt = self.optimizers()  # type: ignore[misc]
+            features = self.trunk(x)
+            main_opt.zero_grad()
+            aux_opt.zero_grad()
+            self.manual_backward(F.cross_entropy(self.head(features), y), retain_graph=True)
+            aux = F.mse_loss(self.aux(features).squeeze(-1), z)
+            self.isolation_losses = {"aux": aux}
+            self.manual_backward(aux)
+            main_opt.step()
+            aux_opt.step()
+
+    model = TwoBackwards()
+    trainer(tmp_path, [IsolationCallback(detach=["aux"], verify_every_n_steps=1)]).fit(
+        model, loader()
+    )
+    assert type(model.aux) is torch.nn.Sequential
