@@ -203,13 +203,42 @@ def _header(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
+def _chunk_lanes(data: torch.Tensor, stream: int) -> torch.Tensor:
+    """The lanes of one reading of at most one chunk of bytes: what ``_Stream`` computes
+    for a stream that fits in its first chunk, in a handful of operations."""
+    weights = _weights(stream, data.device)
+    lines = data.numel() // (4 * _LANES)
+    if lines:
+        words = _as_words(data[: 4 * _LANES * lines]).view(lines, _LANES)
+        lanes = _lane_sums(words, weights[:lines])
+    else:
+        lanes = torch.zeros(_LANES, dtype=torch.int32, device=data.device)
+    tail = data[4 * _LANES * lines :]
+    if tail.numel():
+        pad = -tail.numel() % 4
+        words = _as_words(nn.functional.pad(tail, (0, pad)) if pad else tail)
+        lanes[: words.numel()] += words * weights[lines]
+    return lanes
+
+
 def _dense_fingerprint(t: torch.Tensor) -> int:
-    streams = (_Stream(0, t.device), _Stream(1, t.device, skip=_SHIFT))
-    if t.numel():
-        for piece in _pieces(t):
-            for stream in streams:
-                stream.feed(piece)
-    high, low = (s.digest() for s in streams)
+    nbytes = t.numel() * t.element_size()
+    if t.is_contiguous() and 0 < nbytes <= 4 * _LANES * _LINES:
+        # The common case (a parameter below 64 MiB): both readings of the first chunk.
+        data = t.reshape(-1).view(torch.uint8)
+        lanes = [_chunk_lanes(data, 0)]
+        if nbytes > _SHIFT:
+            lanes.append(_chunk_lanes(data[_SHIFT:], 1))
+        mixed = torch.stack(lanes).to(torch.int64)
+        mixed.mul_(torch.stack([_mixers(0, s, t.device) for s in range(len(lanes))]))
+        high, low, *_ = [int(v) & _MASK64 for v in mixed.sum(1).tolist()] + [0]
+    else:
+        streams = (_Stream(0, t.device), _Stream(1, t.device, skip=_SHIFT))
+        if nbytes:
+            for piece in _pieces(t):
+                for stream in streams:
+                    stream.feed(piece)
+        high, low = (s.digest() for s in streams)
     return ((high ^ _header(t)) << 64) | low
 
 
