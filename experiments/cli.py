@@ -208,6 +208,10 @@ def _explain(message: str, parser: Any) -> str:
         path = class_path.group(1) or class_path.group(2)
         return f"{short}{_did_you_mean(option.group(1), _parameters(path))}"
     # An option (or config key) the parser does not know.
+    group = re.search(r"Group '([\w.]+)' does not accept option '(\w+)'", short)
+    if group:
+        word = f"{group.group(1)}.{group.group(2)}"
+        return f"{short}{_did_you_mean(word, _options(parser))}"
     given = re.search(r"unrecognized arguments: --([\w.]+)", short)
     if given:
         return f"{short}{_did_you_mean(given.group(1), _options(parser))}"

@@ -7,7 +7,9 @@ goes to ``tmp_path``.
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -79,13 +81,22 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _fit(config: Path, tmp_path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Build everything from the config, remember the trunk, fit; returns (cli, trunk before)."""
-    cli = cli_main(_args(config, tmp_path), run=False)
+def _fit(config: Path, tmp_path: Path, *more: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Build everything from the config, remember the trunk, fit and test, as the ``fit``
+    subcommand does; returns (cli, trunk before)."""
+    cli = cli_main(_args(config, tmp_path, *more), run=False)
     trunk = getattr(cli.model, "trunk", None) or cli.model.encoder
     before = _state(trunk)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
     return cli, before
+
+
+def _logged(tmp_path: Path, name: str) -> dict[str, list[str]]:
+    """The logger's metrics.csv of the run, column by column (empty cells dropped)."""
+    (path,) = tmp_path.glob(f"{name}/version_*/metrics.csv")
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    return {key: [r[key] for r in rows if r[key]] for key in rows[0]}
 
 
 def _run_record(tmp_path: Path) -> dict[str, Any]:
@@ -124,11 +135,20 @@ def test_config_runs_with_the_promised_outcome(config: Path, tmp_path: Path) -> 
     moved = sorted(k for k in before if not torch.equal(before[k], after[k]))
     audit = record["audit"]
 
-    if name.startswith("simsiam"):
-        stds = record["train"]["z_std"]
-        assert len(stds) == STEPS and all(0.0 <= s <= 1.0 for s in stds)
+    # The logger is on by default: metrics per step and per epoch, and the test split's.
+    logged = _logged(tmp_path, name)
+    assert len(logged["train/loss_step"]) == STEPS and len(logged["train/loss_epoch"]) == 1
+    test_key = "test/knn_acc" if "knn_acc" in record["test"] else "test/acc/main"
+    assert float(logged[test_key][0]) == pytest.approx(record["test"][test_key[5:]], abs=1e-6)
+
+    if hasattr(model, "stop_gradient"):  # SimSiam
         assert model.stop_gradient is (name == "simsiam")
-        assert "knn_acc" in record["test"]
+        assert record["train"]["z_std_ref"] == [1 / math.sqrt(64)] * STEPS
+        stds = record["train"]["z_std"]
+        assert len(stds) == STEPS and len(set(stds)) == STEPS  # measured at every step
+        assert moved == sorted(before)  # the encoder trains, BatchNorm statistics too
+        # Digits cluster even in features of a barely trained CNN: well above 1 in 10.
+        assert record["test"]["knn_acc"] > 0.5
         return
     trunk_params = {n for n, _ in model.trunk.named_parameters()}
     if name == "frozen_trunk":
@@ -163,8 +183,19 @@ def test_presets_parse_on_top_of_a_variant(tmp_path: Path) -> None:
             assert trainer.num_devices == 2
         elif preset.stem == "quick":
             assert cli.datamodule.hparams.limit_train == 2560
-        else:  # base.yaml, which every run loads first anyway
+            assert trainer.max_epochs == 1
+        elif preset.stem == "fashion_mnist":
+            assert cli.datamodule.hparams.dataset == "fashion_mnist"
+            assert trainer.max_epochs == 2  # only the dataset differs
+        elif preset.stem == "base":  # which every run loads first anyway
             assert trainer.max_epochs == 2
+            assert cli.datamodule.hparams.dataset == "mnist"
+            assert type(trainer.logger).__name__ == "CSVLogger"
+            # Its logs go where the run's other files go (this base.yaml, given again, puts
+            # default_root_dir back to outputs/runs; nothing is written without a fit).
+            assert trainer.logger.save_dir == trainer.default_root_dir == "outputs/runs"
+        else:
+            pytest.fail(f"presets/{preset.name} has no check here; add one")
 
 
 def test_quick_preset_runs(tmp_path: Path) -> None:
@@ -174,6 +205,34 @@ def test_quick_preset_runs(tmp_path: Path) -> None:
     )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert _run_record(tmp_path)["steps"] == STEPS
+
+
+def test_simsiam_stop_gradient_changes_the_gradient_not_the_forward(tmp_path: Path) -> None:
+    """The two SimSiam configs see the same first batch, views and weights; only the gradient
+    differs, from the first step on, because the targets z are cut off in one of them."""
+    records = {}
+    for name in ("simsiam", "simsiam_no_stopgrad"):
+        folder = tmp_path / name
+        cli = cli_main(_args(CONFIGS / f"{name}.yaml", folder, "--record.trunk=encoder"), run=False)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        records[name] = _run_record(folder)
+    with_sg, without = records["simsiam"], records["simsiam_no_stopgrad"]
+    assert with_sg["train"]["z_std"][0] == without["train"]["z_std"][0]
+    assert with_sg["train"]["loss"][0] == without["train"]["loss"][0]
+    assert len(with_sg["grad_norm"]) == STEPS
+    assert all(a != b for a, b in zip(with_sg["grad_norm"], without["grad_norm"], strict=True))
+
+
+def test_every_variant_declares_what_the_suite_checks() -> None:
+    from experiments.claims import CLAIMS
+    from experiments.sections import SECTIONS
+    from experiments.variants import load
+
+    for path in VARIANTS:
+        variant = load(path)
+        assert variant.role, path.name
+        assert {c["check"] for c in variant.claims} <= set(CLAIMS), path.name
+        assert {s["section"] for s in variant.report} <= set(SECTIONS), path.name
 
 
 @pytest.mark.slow
@@ -238,25 +297,28 @@ def test_a_data_root_holding_the_test_split_is_read_without_a_download(
 
 
 @pytest.mark.parametrize(
-    ("typo", "culprit"),
+    ("typo", "culprit", "meant"),
     [
-        ("model:\n  init_args:\n    droput: 0.1\n", "droput"),
-        ("data:\n  batch_sise: 64\n", "batch_sise"),
+        ("model:\n  init_args:\n    droput: 0.1\n", "droput", "dropout"),
+        ("data:\n  batch_sise: 64\n", "batch_sise", "data.batch_size"),
         (
             "trainer:\n  callbacks:\n    - class_path: isolate.lightning.IsolationCallback\n"
             "      init_args:\n        freze: [trunk]\n",
             "freze",
+            "freeze",
         ),
     ],
     ids=["model key", "data key", "callback key"],
 )
 def test_a_typo_in_a_config_file_is_refused_naming_the_key(
-    typo: str, culprit: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    typo: str, culprit: str, meant: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = tmp_path / "typo.yaml"
     bad.write_text(typo)
     with pytest.raises(SystemExit) as info:
         cli_main(_args(CONFIGS / "baseline.yaml", tmp_path, "--config", str(bad)), run=False)
     assert info.value.code == 2
-    assert culprit in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert culprit in err and f"did you mean '{meant}'?" in err
+    assert len(err.splitlines()) == 2  # the message and where the usage is, not 40 lines of it
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob("**/*.ckpt"))
