@@ -2,10 +2,10 @@
 
 Reading, decompressing, checksums and downloads are torchvision's
 (``torchvision.datasets.mnist.read_image_file`` / ``read_label_file``,
-``torchvision.datasets.utils.check_integrity`` / ``extract_archive`` / ``download_url``). This
-module adds what torchvision lacks: a search over folders that may be read-only, the Debian
-layout of Fashion-MNIST, a seeded carve of the test split when that is all there is, and typed
-errors that say which command-line flag fixes them.
+``torchvision.datasets.utils.check_integrity`` / ``extract_archive`` /
+``download_and_extract_archive``). This module adds what torchvision lacks: a search over
+folders that may be read-only, the Debian layout of Fashion-MNIST, a seeded carve of the test
+split when that is all there is, and typed errors that say which command-line flag fixes them.
 
 Where the data come from: for each file, the first of
 
@@ -16,17 +16,15 @@ Where the data come from: for each file, the first of
 3. ``cache_dir/<Folder>/raw``, where downloads go.
 
 **Nothing is ever written into the data root or the system folder**: they belong to whoever
-made them (``../shared/data`` is shared by every checkout). Everything this module writes goes
-under ``cache_dir``, by default ``$XDG_CACHE_HOME/isolate`` or ``~/.cache/isolate``: downloads,
-and a decompressed copy of each ``.gz`` whose md5 is torchvision's, since torchvision's readers
-read only decompressed files. Later runs check the ``.gz`` and read the copy in its place
-(reports still name the ``.gz``); a cached copy that fails its checksum is made again. Files are
-written under a temporary name and renamed, so parallel runs (DDP ranks, the suite) never see
-half a file.
+made them (``../shared/data`` is shared by every checkout). Downloads go to ``cache_dir``, by
+default ``$XDG_CACHE_HOME/isolate`` or ``~/.cache/isolate``. torchvision's readers read only
+decompressed files, so a ``.gz`` is decompressed into a temporary folder that is removed right
+after reading (a fraction of a second for MNIST's test split): no decompressed copy is kept
+anywhere, so none can go stale or pass for a file it was not made from.
 
-Before searching, ``prepare_data`` downloads the files of the official split that are on disk
-nowhere (see ``download``), from torchvision's mirrors into ``cache_dir``. Every file is checked
-before use: a ``.gz`` against the md5 in torchvision's resource list, or else its content against
+``prepare_data`` downloads the files of the official split that are on disk nowhere (see
+``download``), from torchvision's mirrors into ``cache_dir``. ``setup`` checks every file before
+use: a ``.gz`` against the md5 in torchvision's resource list, or else its content against
 the md5 of the official uncompressed file (the Debian package ships recompressed ``.gz`` files of
 the same content); a decompressed file against the latter. torchvision's readers then check the
 IDX header against the byte count, and this module the image size and the label range, so
@@ -44,7 +42,6 @@ import contextlib
 import functools
 import logging
 import os
-import shutil
 import socket
 import stat
 import tempfile
@@ -193,7 +190,7 @@ class MNISTDataModule(pl.LightningDataModule):
         data_root: Root folder in torchvision's layout (``<root>/MNIST/raw/...``). Defaults to the
             ``ISOLATE_DATA_ROOT`` environment variable, else ``"data"``. Only read, never
             written: it may be read-only or shared.
-        cache_dir: Root (same layout) for downloads and decompressed copies. Defaults to
+        cache_dir: Root (same layout) for downloads. Defaults to
             :func:`default_cache_dir`: ``$XDG_CACHE_HOME/isolate``, else ``~/.cache/isolate``,
             else a folder in the system temp directory.
         batch_size: Batch size of all three loaders.
@@ -219,8 +216,7 @@ class MNISTDataModule(pl.LightningDataModule):
             ``"test_split_only"``), ``seed``, the ``train``/``val``/``test`` counts, ``pool``
             (the size of the set carved from), ``files`` (official name to its path) and
             ``md5_verified``.
-            The paths in ``files`` are where each file was found, even when a decompressed copy
-            in ``cache_dir`` was read in its place.
+            The paths in ``files`` are where each file was found.
 
     Raises:
         ValueError: On an unknown dataset name or a fraction or limit out of range.
@@ -307,21 +303,18 @@ class MNISTDataModule(pl.LightningDataModule):
     # -- Lightning hooks --------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        """Download what is missing if allowed, then check every file and cache its content.
+        """Download what is on disk nowhere, if allowed; :meth:`setup` checks and reads.
 
         Runs once per node (Lightning calls it on local rank 0 only).
 
         Raises:
             DataNotFoundError: If the test split is nowhere to be found, or ``download=True``
                 and the download failed.
-            DataCorruptError: If a file fails its checks.
         """
         missing = [name for name in (*TEST_FILES, *TRAIN_FILES) if self._find(name) is None]
         if missing and self.download is not False:
             self._download(missing, required=self.download is True)
-        for name, origin in self._locate().items():
-            with self._decompressed(name, origin):
-                pass
+        self._locate()  # fails here, before a Trainer sets anything up, if data are missing
 
     def setup(self, stage: str | None = None) -> None:
         """Load, normalize and split the data; later calls do nothing.
@@ -496,11 +489,7 @@ class MNISTDataModule(pl.LightningDataModule):
 
     @contextlib.contextmanager
     def _decompressed(self, name: str, origin: Path) -> Iterator[Path]:
-        """A checked, decompressed file with the content of ``origin``, for torchvision to read.
-
-        Verified content is kept in ``cache_dir`` for later runs; anything else is decompressed
-        into a temporary folder that is removed afterwards.
-        """
+        """``origin`` checked and, if a ``.gz``, decompressed into a temporary folder."""
         from torchvision.datasets.utils import check_integrity
 
         raw_md5 = _RAW_MD5[self.dataset][name]
@@ -509,24 +498,16 @@ class MNISTDataModule(pl.LightningDataModule):
                 raise self._wrong_md5(origin, raw_md5)
             yield origin
             return
-        cached = self._cache_raw / name
-        gz_md5 = _resources(self._spec.folder)[f"{name}.gz"]
-        official_gz = self.verify_md5 and check_integrity(origin, gz_md5)
-        if official_gz and cached.is_file():
-            # The .gz is checked at every run (milliseconds), so the cached copy never vouches for
-            # a .gz that was damaged after it was made.
-            if check_integrity(cached, raw_md5):
-                yield cached
-                return
-            log.warning("%s fails its md5 check; decompressing %s again", cached, origin)
         with tempfile.TemporaryDirectory(prefix="isolate-") as tmp:
             path = self._extract(origin, Path(tmp))
-            if self.verify_md5 and not official_gz:
-                # Another md5 may be a recompressed copy (Debian's) of the official content.
-                if not check_integrity(path, raw_md5):
-                    raise self._wrong_md5(origin, gz_md5, content=path, content_md5=raw_md5)
-            elif official_gz:
-                self._store(path, cached)
+            gz_md5 = _resources(self._spec.folder)[f"{name}.gz"]
+            # Another md5 may be a recompressed copy (Debian's) of the official content.
+            if (
+                self.verify_md5
+                and not check_integrity(origin, gz_md5)
+                and not check_integrity(path, raw_md5)
+            ):
+                raise self._wrong_md5(origin, gz_md5, content=path, content_md5=raw_md5)
             yield path
 
     def _extract(self, origin: Path, folder: Path) -> Path:
@@ -537,24 +518,6 @@ class MNISTDataModule(pl.LightningDataModule):
         except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; zlib.error too
             raise self._corrupt(origin, f"is not a valid gzip file ({exc})") from exc
         return folder / origin.name.removesuffix(".gz")
-
-    def _store(self, path: Path, target: Path) -> None:
-        """Copy verified content to ``target`` in the cache; a failure only costs time."""
-        if not _writable(target.parent):
-            log.warning("not caching %s: %s is read-only", target.name, target.parent)
-            return
-        created = _missing_dirs(target.parent)
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Copy then rename, so an interrupted run or a parallel one never sees half a file.
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            shutil.copyfile(path, tmp)
-            tmp.replace(target)
-        except OSError as exc:
-            log.warning("could not cache %s in %s: %s", target.name, target.parent, exc)
-            _remove_empty(created)
-        else:
-            log.info("cached a decompressed copy of %s in %s", target.name, target.parent)
 
     def _corrupt(self, path: Path, problem: str) -> DataCorruptError:
         return DataCorruptError(
@@ -709,7 +672,7 @@ class MNISTDataModule(pl.LightningDataModule):
 
 
 def default_cache_dir() -> Path:
-    """Where downloads and decompressed copies go unless ``cache_dir`` is given.
+    """Where downloads go unless ``cache_dir`` is given.
 
     ``$XDG_CACHE_HOME/isolate`` if that variable is set, else ``~/.cache/isolate``; a folder in
     the system temp directory when that cannot be written.

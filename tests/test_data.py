@@ -2,10 +2,10 @@
 
 Every test builds the data state it needs below ``tmp_path``: a copy of the two ``.gz`` files of
 ``../shared/data/MNIST/raw`` (the official test split), read-only folders made with ``chmod``,
-tiny hand-made IDX files. Nothing reads the datamodule from ``../shared`` itself, so the tests
-pass whether that folder is writable or read-only and whatever an earlier run left in the user's
+tiny hand-made IDX files. No datamodule reads ``../shared`` itself, so the tests pass whether
+that folder is writable or read-only and whatever an earlier run left there or in the user's
 cache. An autouse fixture points the cache and the temp directory into ``tmp_path``, blocks the
-network, and checks that ``../shared`` is left exactly as it was.
+network, and checks that ``../shared`` is left exactly as it was and no temporary file is left.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def read_only() -> Iterator[Callable[[Path], Path]]:
 
 @pytest.fixture
 def make(mnist_root: Path, tmp_path: Path) -> Callable[..., MNISTDataModule]:
-    """Build a datamodule on a copy of the test split with a cache in tmp_path, no download."""
+    """Build a datamodule on a copy of the test split, no download."""
 
     def build(**kwargs: Any) -> MNISTDataModule:
         kwargs.setdefault("data_root", str(mnist_root))
@@ -294,23 +294,19 @@ def test_limits_take_subsets_of_each_split(make) -> None:
 def test_the_data_root_is_never_written_whether_writable_or_read_only(
     tmp_path, shared_raw, read_only
 ) -> None:
-    cache_raw = tmp_path / "xdg" / "isolate" / "MNIST" / "raw"
     writable = _copy_root(shared_raw, tmp_path / "writable")
     locked = read_only(_copy_root(shared_raw, tmp_path / "locked"))
     for root in (writable, locked, writable):  # twice in a row, as the README's commands run
         before = _listing(root)
         dm = _ready(MNISTDataModule(data_root=str(root), download=False))
-        assert dm.cache_dir == tmp_path / "xdg" / "isolate", root
         assert _listing(root) == before, f"{root.name}: the datamodule wrote into its data root"
         assert len(dm.train_set) == 8000
-        # The decompressed copies torchvision's readers need are in the user's cache.
-        assert sorted(p.name for p in cache_raw.iterdir()) == sorted(TEST_FILES)
-        for name in TEST_FILES:
-            expected = gzip.decompress((root / "MNIST" / "raw" / f"{name}.gz").read_bytes())
-            assert (cache_raw / name).read_bytes() == expected
         assert dm.split_info["files"][TEST_FILES[0]] == str(
             root / "MNIST" / "raw" / f"{TEST_FILES[0]}.gz"
         )
+    # torchvision's readers need decompressed files: those were temporary (the hermetic fixture
+    # checks that they are gone), and nothing needed the cache.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locked", "tmp", "writable"]
 
 
 def test_the_cache_defaults_to_xdg_then_home_then_temp(tmp_path, monkeypatch, read_only) -> None:
@@ -324,28 +320,6 @@ def test_the_cache_defaults_to_xdg_then_home_then_temp(tmp_path, monkeypatch, re
     assert MNISTDataModule(cache_dir="mine").cache_dir == Path("mine")
 
 
-def test_a_read_only_cache_still_serves_the_data(tmp_path, mnist_root, read_only) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    read_only(cache)
-    dm = _ready(MNISTDataModule(data_root=str(mnist_root), cache_dir=str(cache), download=False))
-    assert len(dm.train_set) == 8000
-    assert list(cache.iterdir()) == []  # no empty MNIST/raw left in it either
-
-
-def test_a_damaged_cached_copy_is_made_again(make, tmp_path, mnist_root) -> None:
-    cache_raw = tmp_path / "cache" / "MNIST" / "raw"
-    good = _ready(make())
-    official = (cache_raw / TEST_FILES[0]).read_bytes()
-    blob = bytearray(official)
-    blob[5000] ^= 0xFF
-    (cache_raw / TEST_FILES[0]).write_bytes(bytes(blob))
-    again = _ready(make())
-    assert (cache_raw / TEST_FILES[0]).read_bytes() == official
-    assert torch.equal(again.train_set.tensors[0], good.train_set.tensors[0])
-    assert again.split_info["files"] == good.split_info["files"]
-
-
 def test_the_data_root_defaults_to_the_environment_then_data(tmp_path, monkeypatch) -> None:
     assert MNISTDataModule().data_root == Path("data")
     monkeypatch.setenv("ISOLATE_DATA_ROOT", str(tmp_path / "elsewhere"))
@@ -353,13 +327,11 @@ def test_the_data_root_defaults_to_the_environment_then_data(tmp_path, monkeypat
     assert MNISTDataModule(data_root="given").data_root == Path("given")
 
 
-def test_unverified_gz_files_are_read_through_a_temporary_copy(tmp_path) -> None:
+def test_gz_files_are_read_through_a_temporary_copy(tmp_path) -> None:
     _write_fake_split(tmp_path / "FashionMNIST" / "raw", 20, 10)
     dm = _ready(MNISTDataModule("fashion_mnist", data_root=str(tmp_path), verify_md5=False))
     assert len(dm.test_set) == 10
-    # Unverified content never goes to the cache, where it could pass for official data; the
-    # hermetic fixture checks that the temporary copies are gone.
-    assert not (tmp_path / "xdg").exists()
+    assert not (tmp_path / "xdg").exists()  # the hermetic fixture checks the temporary copies
     assert sorted(p.name for p in (tmp_path / "FashionMNIST" / "raw").iterdir()) == sorted(
         f"{n}.gz" for n in (*TRAIN_FILES, *TEST_FILES)
     )
@@ -467,15 +439,14 @@ def test_damaged_gz_files_raise_data_corrupt(tmp_path, shared_raw) -> None:
         root = _copy_root(shared_raw, tmp_path / case)
         gz = root / "MNIST" / "raw" / f"{name}.gz"
         gz.write_bytes(damage(gz.read_bytes()))
-        cache = tmp_path / case / "cache"
-        dm = MNISTDataModule(data_root=str(root), cache_dir=str(cache), download=False)
+        dm = MNISTDataModule(data_root=str(root), download=False)
+        dm.prepare_data()  # finds the files; setup() reads and checks them
         with pytest.raises(DataCorruptError, match=match) as e:
-            dm.prepare_data()
+            dm.setup()
         assert isinstance(e.value, ValueError) and isinstance(e.value, DataError), case
         assert not isinstance(e.value, IsolationError), case
         assert str(e.value).startswith(f"MNISTDataModule: {gz} "), case
         assert e.value.hint.startswith(f"To fix: delete or replace {gz}: download"), case
-        assert not (cache / "MNIST" / "raw" / name).exists(), case
 
 
 def test_a_recompressed_gz_of_the_official_content_is_accepted(tmp_path, shared_raw) -> None:
@@ -580,7 +551,7 @@ def test_hand_made_files_fail_the_md5_check_with_a_hint(tmp_path) -> None:
     _write_fake_split(tmp_path / "FashionMNIST" / "raw", 20, 10)
     dm = MNISTDataModule("fashion_mnist", data_root=str(tmp_path))
     with pytest.raises(DataCorruptError, match=r"has the wrong checksum") as e:
-        dm.prepare_data()
+        dm.setup()
     assert e.value.hint.endswith(
         "For IDX files you made yourself, pass --data.verify_md5=false instead."
     )
