@@ -297,7 +297,7 @@ def summary_line(record: dict[str, Any]) -> str:
     drift = record.get("drift_final")
     if drift is not None:
         parts.append(
-            "trunk drift: "
+            "trunk drift at the end: "
             + ", ".join(f"{kind} {drift[kind]:.3g}" for kind in _KINDS if kind in drift)
         )
     parts.append(f"({record.get('seconds', 0.0):.1f} s)")

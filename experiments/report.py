@@ -305,7 +305,7 @@ def _plot_accuracy(runs: dict[str, dict[str, Any]], output: Path) -> bool:
                 color="gray",
                 linestyle=(0, (2, 2 + i)),
                 linewidth=1.0,
-                label=f"chance (majority class) {text}",
+                label=f"chance: majority class of the test split, {text}",
             )
         ax.set_ylim(0.0, 1.0)
         ax.set_xlabel("training step")
