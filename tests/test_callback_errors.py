@@ -207,10 +207,10 @@ def test_manual_backward_twice_checks_the_second_loss_against_the_same_forward(
             x, y, z = batch
             main_opt, aux_opt = self.optimizers()  # type: ignore[misc]
             features = self.trunk(x)
+            aux = F.mse_loss(self.aux(features).squeeze(-1), z)  # the branch runs first
             main_opt.zero_grad()
             aux_opt.zero_grad()
             self.manual_backward(F.cross_entropy(self.head(features), y), retain_graph=True)
-            aux = F.mse_loss(self.aux(features).squeeze(-1), z)
             self.isolation_losses = {"aux": aux}
             self.manual_backward(aux)
             main_opt.step()
