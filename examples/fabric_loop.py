@@ -36,7 +36,9 @@ def train(
     model = Net()
     handle = load_spec().apply(model)  # before setup: Fabric wraps the model afterwards
     optimizer = torch.optim.SGD(
-        [p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
+        [p for p in model.parameters() if p.requires_grad],
+        lr=0.05,
+        momentum=0.9,
         weight_decay=1e-4,
     )
     fabric_model, fabric_optimizer = fabric.setup(model, optimizer)

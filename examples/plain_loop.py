@@ -50,7 +50,9 @@ def train(
     handle = load_spec().apply(model)
     # Built after apply, from what is trainable: frozen parameters never sit in the optimizer.
     optimizer = torch.optim.SGD(
-        [p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
+        [p for p in model.parameters() if p.requires_grad],
+        lr=0.05,
+        momentum=0.9,
         weight_decay=1e-4,
     )
     handle.attach(optimizer)

@@ -26,7 +26,9 @@ def by_hand(epochs: int) -> Net:
     model = Net()
     model.trunk.requires_grad_(False)
     optimizer = torch.optim.SGD(
-        [p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
+        [p for p in model.parameters() if p.requires_grad],
+        lr=0.05,
+        momentum=0.9,
         weight_decay=1e-4,
     )
     for epoch in range(epochs):
