@@ -474,14 +474,19 @@ class Frozen(Wrapper):
     def __init__(self, module: nn.Module) -> None:
         caller = "Frozen()"
         check_module(module, caller, "the wrapped object")
-        selection = select(module, (), caller)
+        # The whole module, as select(module, ()) would give it, without the selector
+        # grammar: a module with no parameters (a BatchNorm without affine) is fine here.
+        params = dict(module.named_parameters())
+        norms: dict[str, nn.Module] = {
+            name: m
+            for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        }
         # Checked before the wrapper registers itself, so a refused module is left as it was
         # and can be wrapped once the problem is fixed.
-        _check_params(module, caller, selection.params, False)
+        _check_params(module, caller, params, False)
         super().__init__(module)
-        self._handle = FreezeHandle(
-            module, caller, selection.params, dict(selection.norms), False, "eval"
-        )
+        self._handle = FreezeHandle(module, caller, params, norms, False, "eval")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and _any_requires_grad(

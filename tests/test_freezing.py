@@ -533,3 +533,14 @@ def test_parameters_made_under_inference_mode_are_refused_before_any_change() ->
         unfreeze(model, "1")
     with frozen(model, "1.weight"):  # already frozen: nothing to flip, nothing to undo
         pass
+
+
+def test_frozen_holds_a_batchnorm_without_affine_parameters() -> None:
+    bn = nn.BatchNorm1d(3, affine=False)  # no parameters at all: only statistics to hold
+    wrapped = Frozen(bn).train()
+    wrapped(torch.randn(5, 3))
+    assert not bn.training and torch.equal(bn.running_mean, torch.zeros(3))
+    assert wrapped.unwrap() is bn
+    bn.train()
+    bn(torch.randn(5, 3))
+    assert bn.training and bn.running_mean.abs().sum() > 0
