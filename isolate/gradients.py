@@ -327,10 +327,14 @@ def gradient_report(
     Note:
         Shares are of the *squared* norm, so they add up to 1 over non-overlapping groups. A
         norm of ``0.0`` (a path exists, the gradient along it is zero) and ``-`` (no path at
-        all) are different answers: only the second one is isolation. Products are taken in
-        the gradients' own precision (one K x K matmul per parameter) and summed in float64,
-        so float32 gradients give norms and cosines to about 7 significant digits; for
-        exact comparisons use :func:`gradient_invariance`.
+        all) are different answers: only the second one is isolation. A cosine is ``None``
+        (``-``) unless some parameter of the group is reached by both losses. Products are
+        taken in one K x K matmul per parameter, in float32 for float16/bfloat16 gradients
+        (exact products, no overflow), in float64 where float32 would overflow, and summed
+        in float64: norms and cosines are good to about 7 significant digits; for exact
+        comparisons use :func:`gradient_invariance`. Sparse gradients
+        (``nn.Embedding(sparse=True)``) are made dense one parameter at a time. Frozen
+        parameters are listed under ``frozen``, so a frozen group prints ``frozen (n)``.
 
     >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     >>> x = torch.randn(4, 3)
