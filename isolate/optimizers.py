@@ -224,8 +224,10 @@ def add_group(
     """Add ``params`` as one new param group and give it its state in the schedulers of ``opt``.
 
     Every scheduler of ``opt`` schedules the new group like the group ``source`` (the one the
-    parameters came from; group 0 when ``None``): ``base_lrs`` gets the group's base lr
-    (``initial_lr``, else ``lr``), ``LambdaLR`` / ``MultiplicativeLR`` the source's lambda,
+    parameters came from; group 0 when ``None``). The group joins where the schedule is: its
+    lr is its base lr (``initial_lr``, else ``lr``) times the reference group's progress
+    (:func:`isolate.schedulers.current_lr`). ``base_lrs`` gets the base lr, ``LambdaLR`` /
+    ``MultiplicativeLR`` the source's lambda,
     ``CyclicLR`` / ``OneCycleLR`` the source's bounds scaled to the new base lr,
     ``ReduceLROnPlateau`` the source's ``min_lr``. A scheduler it cannot extend is refused
     before the group is added (see :mod:`isolate.schedulers`).
@@ -256,8 +258,10 @@ def add_group(
         lr_schedulers.check(scheduler, source, "add_group()")
     opt.add_param_group({"params": list(params), **options})
     group = opt.param_groups[-1]
+    base = float(group.get("initial_lr", group["lr"]))
+    group["lr"] = lr_schedulers.current_lr(mine, opt, source, base)
     for scheduler in mine:
-        lr_schedulers.extend(scheduler, opt, source, float(group.get("initial_lr", group["lr"])))
+        lr_schedulers.extend(scheduler, opt, source, base)
     return group
 
 

@@ -20,7 +20,7 @@ from torch.optim import lr_scheduler as lrs
 
 from isolate.errors import SpecError
 
-__all__ = ["KNOWN", "check", "extend", "of"]
+__all__ = ["KNOWN", "check", "current_lr", "extend", "of"]
 
 KNOWN: tuple[type[Any], ...] = (
     lrs.LambdaLR,
@@ -132,6 +132,10 @@ def extend(scheduler: Any, opt: torch.optim.Optimizer, source: int | None, base_
         lambdas.append(lambdas[ref])
     if isinstance(scheduler, lrs.CyclicLR):
         _append(scheduler, "max_lrs", n, scheduler.max_lrs[ref] * scale)
+        for key in ("base_momentums", "max_momentums"):
+            values = getattr(scheduler, key, None)
+            if isinstance(values, list):
+                _append(scheduler, key, n, values[ref])
     if isinstance(scheduler, lrs.OneCycleLR):
         ref_group = opt.param_groups[ref]
         scale = base_lr / ref_group["initial_lr"] if ref_group["initial_lr"] else 1.0
@@ -142,6 +146,31 @@ def extend(scheduler: Any, opt: torch.optim.Optimizer, source: int | None, base_
         for key in _MOMENTUM_KEYS:
             if key in opt.param_groups[ref]:
                 group.setdefault(key, opt.param_groups[ref][key])
+
+
+def current_lr(
+    schedulers: Sequence[Any], opt: torch.optim.Optimizer, source: int | None, base_lr: float
+) -> float:
+    """The lr the schedulers give a group of base lr ``base_lr`` now: the reference group's
+    progress (its lr over its base lr) applied to ``base_lr``, so a group that joins mid-way
+    through a warm-up or a decay is where the schedule is, not at its base (a chainable
+    scheduler such as ``LinearLR`` would otherwise carry it past its base lr). With an
+    ``eta_min`` (cosine schedules) the progress is measured above it.
+
+    >>> model = torch.nn.Linear(2, 2)
+    >>> opt = torch.optim.SGD([model.weight], lr=0.1)
+    >>> sched = lrs.LinearLR(opt, start_factor=0.5, total_iters=4)
+    >>> round(current_lr([sched], opt, None, 0.02), 6)
+    0.01
+    """
+    ref = opt.param_groups[source if source is not None else 0]
+    base = ref.get("initial_lr")
+    if not schedulers or not base:
+        return base_lr
+    floor = float(getattr(schedulers[0], "eta_min", 0.0) or 0.0)
+    if len(schedulers) > 1 or floor >= min(base, base_lr):
+        floor = 0.0
+    return floor + (base_lr - floor) * (float(ref["lr"]) - floor) / (float(base) - floor)
 
 
 def _at(values: object, index: int, default: float) -> float:
