@@ -156,6 +156,9 @@ def test_config_runs_with_the_promised_outcome(config: Path, tmp_path: Path) -> 
         # The callback restores what it froze when fit ends.
         assert all(p.requires_grad for p in model.trunk.parameters())
         assert audit["main"]["trunk"][0] == 0
+        # IsolationCallback logs to the trainer's loggers: its gradient norms are in the CSV.
+        norms = {k: v for k, v in logged.items() if k.startswith("isolation/grad_norm/")}
+        assert "isolation/grad_norm/total" in norms and all(norms.values())
     elif name == "frozen_trunk_naive":
         assert set(moved) == {k for k in before if k not in trunk_params}  # only BatchNorm
         assert all(p.requires_grad for p in model.trunk.parameters())
