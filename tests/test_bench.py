@@ -1,22 +1,122 @@
-"""The benchmark script runs and writes its numbers (timings are never asserted on)."""
+"""The benchmark script runs and writes its numbers (timings are never asserted on): every
+row is well formed, and its verdict is its own stated limit applied to its own number."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 from experiments import bench
+
+COLUMNS = {
+    "name",
+    "candidate",
+    "baseline",
+    "candidate_s",
+    "baseline_s",
+    "target",
+    "ok",
+    "extra",
+    "paired_ratio",
+    "limit",
+    "metric_name",
+    "unit",
+    "ratio",
+    "metric",
+}
+
+
+def check_rows(out: Path) -> list[dict[str, Any]]:
+    payload = json.loads((out / "bench.json").read_text())
+    rows: list[dict[str, Any]] = payload["rows"]
+    assert rows
+    for row in rows:
+        assert set(row) == COLUMNS, row["name"]
+        assert row["unit"] in ("s", "bytes")
+        for key in ("candidate_s", "baseline_s", "ratio"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row["name"], key)
+        assert math.isfinite(row["metric"])
+        if row["metric_name"] == "ratio":
+            assert row["metric"] == row["ratio"]
+        else:
+            assert row["metric"] == row["extra"][row["metric_name"]]
+        if row["limit"] is None:  # measured only: no verdict, and the table says so
+            assert row["ok"] is None and not row["target"].startswith("<=")
+        else:  # the verdict is the stated limit applied to the number written beside it
+            assert row["ok"] is (row["metric"] <= row["limit"]), row["name"]
+            assert f"{row['limit']:g}".rstrip("0") in row["target"] or row["limit"] == 1 / 0.97
+    table = (out / "bench.md").read_text().splitlines()
+    lines = [line for line in table if line.startswith("| ")][2:]  # after header, separator
+    assert len(lines) == len(rows)
+    for line, row in zip(lines, rows, strict=True):
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        assert cells[0] == row["name"]
+        assert cells[-1] == {None: "-", True: "yes", False: "NO"}[row["ok"]]
+        assert float(cells[5]) == float(f"{row['ratio']:.4g}")
+        unit = " MB" if row["unit"] == "bytes" else " ms"
+        assert cells[3].endswith(unit) and cells[4].endswith(unit)
+    return rows
 
 
 def test_quick_benchmark_writes_json_and_markdown(tmp_path: Path) -> None:
     assert bench.main(["--quick", "--only", "freeze", "report", "--output", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "bench.json").read_text())
     assert payload["env"]["quick"] is True and payload["env"]["torch"]
-    names = [row["name"] for row in payload["rows"]]
+    rows = check_rows(tmp_path)
+    names = [row["name"] for row in rows]
     assert any(name.startswith("freeze+restore") for name in names)
     assert any(name.startswith("gradient_report") for name in names)
-    for row in payload["rows"]:
-        assert row["candidate_s"] > 0 and row["baseline_s"] > 0 and row["ratio"] > 0
-        assert isinstance(row["ok"], bool) and row["target"]
-    table = (tmp_path / "bench.md").read_text()
-    assert table.count("\n| ") == len(payload["rows"]) + 2  # header, separator, rows
+    assert all(isinstance(row["ok"], bool) for row in rows)
+
+
+TINY = {"layers": 2, "width": 64, "heads": 4, "batch": 2, "tokens": 8, "report_layers": 2}
+
+
+def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
+    sizes = [f"--scale-{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    argv = ["--only", "scale", "--output", str(tmp_path), "--scale-repeat=2", *sizes]
+    assert bench.main(argv) == 0
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["env"]["scale"] == vars(bench.ScaleConfig(**TINY, repeat=2))
+    rows = {row["name"].split(",")[0]: row for row in check_rows(tmp_path)}
+    assert list(rows) == [
+        "fingerprint snapshot",
+        "fingerprint check",
+        "fingerprint snapshot extra resident memory",
+        "callback verification vs training step",
+        "reachable_parameters vs one backward",
+        "gradient_report peak extra memory",
+        "Detached per-call overhead",
+        "Cloned per-call overhead",
+        "GradientScale(-1) per-call overhead",
+        "apply + restore of a resolved selection",
+    ]
+    memory = rows["fingerprint snapshot extra resident memory"]
+    assert memory["unit"] == "bytes" and memory["metric_name"] == "extra MB"
+    assert memory["baseline_s"] == sum(
+        p.numel() * p.element_size() for p in bench.transformer(2, 64, 4).parameters()
+    )
+    assert memory["extra"]["snapshot(copy=True) extra MB"] >= 0
+    callback = rows["callback verification vs training step"]
+    assert callback["name"].endswith("checks every 50 steps (amortised)")
+    assert callback["extra"]["check / one step"] > 0
+    assert rows["gradient_report peak extra memory"]["ok"] is None
+
+
+def test_the_verification_hook_sees_a_frozen_tensor_move() -> None:
+    defaults = bench.ScaleConfig()
+    assert (defaults.layers, defaults.width) == (24, 1024)  # the 302M-parameter default
+    model = bench.transformer(2, 32, 4)
+    verify = bench.callback_verification(model, ["layers.0.linear1.weight"])
+    loss = model(bench.torch.randn(1, 3, 32)).square().mean()
+    verify(loss)  # unchanged: passes
+    with bench.torch.no_grad():
+        model.layers[0].linear1.weight[0, 0] += 1
+    try:
+        verify(loss)
+    except bench.isolate.DriftError as error:
+        assert "layers.0.linear1.weight" in str(error)
+    else:
+        raise AssertionError("the verification hook did not see the frozen weight move")
