@@ -1,0 +1,121 @@
+"""isolate.figures: the report matrix renders, and every cell says what the report says."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+from matplotlib.figure import Figure
+from torch import nn
+
+from isolate import cut_off_parameters, gradient_report
+from isolate.errors import IsolationTypeError
+from isolate.figures import cell_text, plot_report
+
+matplotlib.use("Agg")
+
+
+def scene() -> tuple[nn.ModuleDict, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {
+            "trunk": nn.Linear(4, 4),
+            "head": nn.Linear(4, 2),
+            "probe": nn.Linear(4, 2),
+            "idle": nn.Linear(4, 4),
+            "stem": nn.Linear(4, 4),
+        }
+    )
+    model["stem"].requires_grad_(False)  # a frozen group
+    h = model["trunk"](model["stem"](torch.randn(6, 4)))
+    losses = {
+        "main": model["head"](h).pow(2).mean(),
+        "probe": model["probe"](h.detach()).pow(2).mean(),
+        "zero": 0 * model["head"](h).sum(),  # a live path with an exactly zero gradient
+    }
+    return model, losses
+
+
+def texts(fig: Figure) -> dict[tuple[int, int], str]:
+    ax = fig.axes[0]
+    return {
+        (round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts
+    }
+
+
+def test_cells_match_the_report_and_the_figure_renders() -> None:
+    model, losses = scene()
+    report = gradient_report(losses, model)
+    cut = cut_off_parameters(losses, model)
+    fig = report.figure(cut_off=cut)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    groups = list(report.groups)
+    assert groups == ["trunk", "head", "probe", "idle", "stem"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == groups
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["main", "probe", "zero", "cut off"]
+    # The colours are the shares; unreached cells are masked (grey).
+    shown = ax.images[0].get_array()
+    for i, loss in enumerate(report.losses):
+        for j, group in enumerate(groups):
+            stats = report[group]
+            if stats.norms[loss] is None:  # no path: grey
+                assert shown.mask[i, j]
+            else:
+                assert not shown.mask[i, j]
+                assert shown[i, j] == pytest.approx(stats.shares[loss] or 0.0)
+    assert shown[2, 1] == 0.0 and report["head"].norms["zero"] == 0.0
+    cells = texts(fig)
+    main_trunk = report["trunk"]
+    assert cells[(0, 0)] == (
+        f"{100 * main_trunk.shares['main']:.1f}%\n|g| {main_trunk.norms['main']:.2e}"
+    )
+    assert cells[(1, 0)] == "no path"  # the probe is detached from the trunk
+    assert cells[(1, 2)].startswith("100.0%")
+    assert cells[(2, 1)] == "0"  # reached, zero gradient: not "no path"
+    assert cells[(0, 3)] == "no path" and cells[(0, 4)] == "frozen"
+    assert [cells[(3, j)] for j in range(5)] == ["none", "none", "none", "2", "none"]
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    assert png.getvalue()[:8] == b"\x89PNG\r\n\x1a\n" and len(png.getvalue()) > 5000
+
+
+def test_cell_text_for_every_case() -> None:
+    model, losses = scene()
+    report = gradient_report(losses, model)
+    assert cell_text(report["stem"], "main") == "frozen"
+    assert cell_text(report["idle"], "main") == "no path"
+    assert cell_text(report["head"], "zero") == "0"
+    share = report["head"].shares["main"]
+    assert share is not None
+    assert cell_text(report["head"], "main").startswith(f"{100 * share:.1f}%\n|g| ")
+
+
+def test_without_cut_off_there_is_no_last_row() -> None:
+    model, losses = scene()
+    fig = plot_report(gradient_report(losses, model))
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["main", "probe", "zero"]
+    assert np.asarray(fig.axes[0].images[0].get_array()).shape == (3, 5)
+
+
+def test_wrong_types() -> None:
+    with pytest.raises(IsolationTypeError, match=r"^plot_report\(\): report must be"):
+        plot_report({"main": 1.0})  # type: ignore[arg-type]
+    model, losses = scene()
+    report = gradient_report(losses, model)
+    with pytest.raises(IsolationTypeError, match=r"^plot_report\(\): cut_off must be"):
+        plot_report(report, cut_off={"a": "b"})  # type: ignore[arg-type]
+
+
+def test_import_isolate_does_not_import_matplotlib() -> None:
+    code = (
+        "import sys, isolate; print('matplotlib' in sys.modules, 'isolate.figures' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
