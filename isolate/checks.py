@@ -18,6 +18,8 @@ from isolate.branches import RECORD_LIMIT, Branches
 from isolate.distributed import check_ranks, world_size
 from isolate.drift import fingerprint, max_abs_diff
 from isolate.errors import (
+    BlindSpotError,
+    CutOffError,
     DriftError,
     GradientLeakError,
     IsolationError,
@@ -25,9 +27,10 @@ from isolate.errors import (
     SpecError,
 )
 from isolate.graph import assert_isolated, walk
-from isolate.sharding import check_leaves
 from isolate.optimizers import find
 from isolate.plan import Names, Plan, shown
+from isolate.reach import cut_off_parameters
+from isolate.sharding import check_leaves
 
 __all__ = [
     "DriftWatch",
@@ -35,6 +38,7 @@ __all__ = [
     "check_flags",
     "check_losses",
     "check_optimizers",
+    "check_reach",
     "checked_losses",
     "run_checks",
 ]
@@ -46,6 +50,7 @@ class Verification:
 
     Attributes:
         losses: loss name -> how many protected parameters were checked against it.
+        reach: how many trainable parameters were checked to be reached by the total loss.
         drift: how many frozen parameters and held buffers were compared with their values
             when frozen.
         flags: how many frozen parameters were checked to still have ``requires_grad=False``.
@@ -56,6 +61,7 @@ class Verification:
     """
 
     losses: Mapping[str, int] = field(default_factory=dict)
+    reach: int = 0
     drift: int = 0
     flags: int = 0
     optimizers: int = 0
@@ -134,6 +140,37 @@ class DriftWatch:
                 f"{caller}: frozen tensors moved ({when}): {shown(moved)}\n" + "\n".join(lines)
             )
         ]
+
+
+def check_reach(
+    model: nn.Module,
+    total: torch.Tensor | Sequence[torch.Tensor],
+    expected_unused: tuple[str, ...],
+    when: str,
+    caller: str,
+) -> tuple[int, list[IsolationError]]:
+    """Every trainable parameter must be reached by ``total`` (or be expected unused);
+    return how many trainable parameter names were checked, and the violations."""
+    result = cut_off_parameters(total, model, expected_unused=expected_unused)
+    found: list[IsolationError] = []
+    if result.parameters:
+        found.append(
+            CutOffError(
+                f"{caller}: {when}, {result}\nFix: connect them to the loss, freeze them if "
+                f"they are not meant to learn, or declare them with expected_unused="
+            )
+        )
+    elif result.unseen:
+        found.append(
+            BlindSpotError(
+                f"{caller}: {when}, cannot tell whether {len(result.unseen)} trainable "
+                f"parameters are reached: {shown(result.unseen)}; the loss's graph holds a "
+                f"reentrant checkpoint, which re-runs code in backward that the graph does not "
+                f"show. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                f"list them in expected_unused="
+            )
+        )
+    return result.trainable, found
 
 
 def check_flags(frozen: Mapping[str, nn.Parameter], when: str, caller: str) -> list[IsolationError]:
@@ -301,6 +338,7 @@ def run_checks(
     plan: Plan,
     frozen: Mapping[str, nn.Parameter],
     losses: Mapping[str, torch.Tensor] | None,
+    reach: tuple[torch.Tensor | Sequence[torch.Tensor] | None, tuple[str, ...]],
     branches: Branches,
     watch: DriftWatch | None,
     optimizers: Sequence[torch.optim.Optimizer],
@@ -321,6 +359,11 @@ def run_checks(
             caller,
         )
         found += leaks
+    total, expected_unused = reach
+    reached = 0
+    if "reach" in checks and total is not None:
+        reached, cut = check_reach(plan.model, total, expected_unused, when, caller)
+        found += cut
     if "drift" in checks and watch is not None:
         found += watch.check(plan.model, when, caller)
     if "flags" in checks:
@@ -332,6 +375,7 @@ def run_checks(
         found += check_ranks(Names.of(plan.model).params, when, caller)
     verification = Verification(
         losses=counts,
+        reach=reached,
         drift=len(watch) if "drift" in checks and watch is not None else 0,
         flags=len(frozen) if "flags" in checks else 0,
         optimizers=len(optimizers) if "optimizers" in checks else 0,

@@ -36,7 +36,7 @@ from isolate.state import FORMAT, check_state, plain
 
 __all__ = ["CHECKS", "IsolationHandle", "Optimizers"]
 
-CHECKS = ("losses", "drift", "flags", "optimizers", "ranks")
+CHECKS = ("losses", "reach", "drift", "flags", "optimizers", "ranks")
 """What :meth:`IsolationHandle.verify` can check."""
 
 
@@ -294,6 +294,8 @@ class IsolationHandle:
         self,
         losses: Mapping[str, torch.Tensor] | None = None,
         *,
+        total: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        expected_unused: Sequence[str] = (),
         checks: Collection[str] = CHECKS,
         on_violation: Literal["raise", "warn"] = "raise",
         when: str | None = None,
@@ -304,6 +306,11 @@ class IsolationHandle:
             losses: loss name -> loss tensor, with its graph alive (before ``backward``). Each
                 must reach no frozen parameter, and none of ``protect[name]`` (without
                 ``protect``: nothing upstream of a ``detach`` branch).
+            total: the loss (or losses) the step backpropagates, graph alive: every trainable
+                parameter must be reached by it (``"reach"``; a parameter cut off from the
+                loss keeps its value however training looks), or be named in
+                ``expected_unused`` (selectors, as for ``freeze``).
+            expected_unused: parameters allowed to go unreached on this step.
             checks: which of :data:`CHECKS` to run (``"ranks"`` is a collective: every rank
                 must call it).
             on_violation: ``"raise"`` the first violation, or ``"warn"`` about each.
@@ -314,7 +321,9 @@ class IsolationHandle:
             A :class:`~isolate.checks.Verification` saying what was checked.
 
         Raises:
-            GradientLeakError, DriftError, RankDivergenceError: a violation.
+            GradientLeakError, CutOffError, DriftError, RankDivergenceError: a violation.
+            BlindSpotError: ``total`` holds a reentrant checkpoint, so whether some
+                parameters are reached cannot be told.
             SpecError: ``protect`` names a loss that is not in ``losses``, or a branch ran more
                 often than recorded since the last :meth:`step`.
         """
@@ -329,6 +338,7 @@ class IsolationHandle:
             self.plan,
             self.frozen_parameters(),
             losses,
+            (total, tuple(expected_unused)),
             self._branches,
             self._watch,
             self._link.optimizers,

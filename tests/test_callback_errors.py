@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from _lightning_models import Net, TwoOptimizerNet, loader, state, trainer
 
-from isolate import IsolationSpec, IsolationTypeError
+from isolate import CutOffError, IsolationSpec, IsolationTypeError, IsolationWarning
 from isolate.lightning import (
     CheckpointMismatchError,
     IsolationCallback,
@@ -221,3 +221,54 @@ def test_manual_backward_twice_checks_the_second_loss_against_the_same_forward(
         model, loader()
     )
     assert type(model.aux) is torch.nn.Sequential
+
+
+def test_parameters_cut_off_from_the_loss_are_named(tmp_path: Path) -> None:
+    # Issue 16: the aux branch is trainable but its loss is never added in.
+    with pytest.raises(
+        CutOffError,
+        match=r"^IsolationCallback: at step 0, 4 of 12 trainable parameters get no gradient "
+        r"from any loss:\n  aux.0.weight, aux.0.bias, aux.2.weight, aux.2.bias: ",
+    ):
+        trainer(tmp_path / "a", [IsolationCallback(verify_every_n_steps=1)]).fit(
+            Net(aux=False), loader()
+        )
+    # Declared unused, it is not a violation; with the branch in the loss, nothing is cut off.
+    callback = IsolationCallback(verify_every_n_steps=1, expected_unused=["aux"])
+    trainer(tmp_path / "b", [callback]).fit(Net(aux=False), loader())
+    trainer(tmp_path / "c", [IsolationCallback(verify_every_n_steps=1)]).fit(Net(), loader())
+
+
+def test_a_thawed_group_the_forward_skips_is_caught_on_its_first_step(tmp_path: Path) -> None:
+    class SkipsTrunk3(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, _ = batch
+            features = self.trunk[:3](x)  # trunk.3 never runs
+            return F.cross_entropy(self.head(torch.nn.functional.pad(features, (0, 0))), y)
+
+    callback = IsolationCallback(
+        freeze=["trunk"],
+        thaw=[Thaw("trunk.3", step=3, lr=0.1)],
+        verify_every_n_steps=100,  # not a check step: the thaw itself triggers the check
+        expected_unused=["aux"],
+        on_violation="warn",
+    )
+    with pytest.warns(
+        IsolationWarning,
+        match=r"at step 3, 2 of \d+ trainable parameters .*\n  trunk.3.weight, trunk.3.bias",
+    ):
+        trainer(tmp_path, [callback]).fit(SkipsTrunk3(), loader())
+
+
+def test_engine_verify_names_a_misplaced_detach() -> None:
+    model = Net()
+    handle = IsolationSpec(detach=["aux"]).apply(model)
+    handle.step(epoch=0, step=0)
+    x = torch.randn(4, 4)
+    features = model.trunk(x)
+    wrong = model.head(features.detach()).sum() + model.aux(features).sum()  # head cut off
+    with pytest.raises(CutOffError, match=r"trunk.0.weight, trunk.0.bias, .*trunk.3.bias: "):
+        handle.verify(total=wrong, checks=("reach",))
+    right = model.head(features).sum() + model.aux(features).sum()
+    assert handle.verify(total=right, checks=("reach",)).reach == 12
+    handle.restore()

@@ -22,7 +22,7 @@ from isolate.errors import (
 )
 from isolate.lightning.ddp import check_trainer, rewrap
 from isolate.lightning.metrics import grad_norms
-from isolate.spec import IsolationSpec, Thaw, ThawKeys
+from isolate.spec import IsolationSpec, Thaw, ThawKeys, string_list
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
 
@@ -72,6 +72,10 @@ class IsolationCallback(Callback):
         on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` with an
             :class:`~isolate.IsolationWarning` and carry on.
         log_grad_norms: whether to log gradient norms per group at each check.
+        expected_unused: selectors of parameters that may go without gradient on a step
+            (a mixture-of-experts expert no token was routed to). Every other trainable
+            parameter must be reached by the loss backpropagated at each check step and on
+            the first step after a thaw, else a :class:`~isolate.CutOffError`.
         drift: how frozen tensors are watched: ``"fingerprint"`` (O(number of tensors) host
             memory, any changed bit caught) or ``"copy"`` (a host copy of the frozen part; the
             report gives the size of a change).
@@ -131,6 +135,7 @@ class IsolationCallback(Callback):
         on_violation: Literal["raise", "warn"] = "raise",
         log_grad_norms: bool = True,
         drift: Literal["fingerprint", "copy"] = "fingerprint",
+        expected_unused: list[str] | None = None,
     ) -> None:
         super().__init__()
         keywords = {
@@ -166,10 +171,14 @@ class IsolationCallback(Callback):
         if drift not in ("fingerprint", "copy"):
             raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
         self.drift: Literal["fingerprint", "copy"] = drift
+        self.expected_unused = string_list(expected_unused, "expected_unused", _CALLER)
         self.handle: IsolationHandle | None = None
         self._last_state: dict[str, Any] = {}
         self._modes: list[tuple[nn.Module, bool]] = []
         self._verify_now = False
+        self._reach_now = False
+        self._batch_step = 0
+        self._backward_losses: list[torch.Tensor] = []
         self._verify_step = -1
         self._losses_seen = False
         self._pending_rank_check: str | None = None
@@ -255,7 +264,12 @@ class IsolationCallback(Callback):
             self._losses_seen = False
         # Also thaws by epoch: Lightning skips on_train_epoch_start for the first epoch of a
         # fit resumed from a checkpoint written after the last batch of the epoch before.
+        self._batch_step = trainer.global_step
+        thawed_before = len(self.handle.thawed)
         self._advance(trainer, record=self._verify_now)
+        # A thawed group must be reached on its first step: check reach then, whatever n.
+        self._reach_now = self._verify_now or len(self.handle.thawed) > thawed_before
+        self._backward_losses = []
 
     def _advance(self, trainer: pl.Trainer, *, record: bool) -> None:
         handle = self.handle
@@ -288,6 +302,8 @@ class IsolationCallback(Callback):
         """Check the named losses while their graph is alive (a walk, no backward)."""
         if self.handle is None:
             return
+        if self._reach_now:
+            self._backward_losses.append(loss)  # the walk works after backward too
         losses = _take_losses(pl_module)
         if not self._verify_now or not losses:
             return
@@ -314,19 +330,28 @@ class IsolationCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Check drift, flags, optimizers and ranks at check steps, and ranks after a thaw."""
+        """Check reach, drift, flags, optimizers and ranks at check steps, and ranks after a
+        thaw."""
         if self.handle is None:
             return
+        if self._verify_now and self.spec.protect and not self._losses_seen:
+            raise SpecError(
+                f"{_CALLER}: protect names the losses {sorted(self.spec.protect)}, but "
+                f"{type(pl_module).__name__}.training_step did not set "
+                f"self.{LOSSES_ATTRIBUTE} at step {self._verify_step}; set it to a dict "
+                f"{{'loss name': loss_tensor}} in every training_step"
+            )
+        if self._reach_now and self._backward_losses:
+            self.handle.verify(
+                total=self._backward_losses,
+                expected_unused=self.expected_unused,
+                checks=("reach",),
+                on_violation=self.on_violation,
+                when=f"at step {self._batch_step}",
+            )
+        self._reach_now, self._backward_losses = False, []
         if self._verify_now:
-            step = self._verify_step
-            if self.spec.protect and not self._losses_seen:
-                raise SpecError(
-                    f"{_CALLER}: protect names the losses {sorted(self.spec.protect)}, but "
-                    f"{type(pl_module).__name__}.training_step did not set "
-                    f"self.{LOSSES_ATTRIBUTE} at step {step}; set it to a dict "
-                    f"{{'loss name': loss_tensor}} in every training_step"
-                )
-            self._check(("drift", "flags", "optimizers", "ranks"), f"at step {step}")
+            self._check(("drift", "flags", "optimizers", "ranks"), f"at step {self._verify_step}")
             self._pending_rank_check = None
         elif self._pending_rank_check is not None:
             self._check(("ranks",), self._pending_rank_check)
