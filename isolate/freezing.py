@@ -149,11 +149,43 @@ def _names(names: list[str]) -> str:
 class FreezeHandle:
     """The undo of one :func:`freeze` or :func:`unfreeze` call.
 
+    Constructing one applies an already resolved selection: every check runs before the
+    first flag flips, and a flip that still fails halfway is undone before the error
+    propagates.
+
+    Args:
+        model: the module the selection was resolved against (named in messages).
+        caller: how messages name the call (``"freeze()"``).
+        params: the selected parameters, by name.
+        norms: the BatchNorm layers whose policy to set, by name.
+        requires_grad: the flag to set.
+        bn: ``"eval"`` holds the layers in eval mode; ``"train"`` lets them follow the
+            model's mode.
+
+    Raises:
+        IsolationTypeError: a parameter is an uninitialized lazy parameter, or was created
+            under ``torch.inference_mode()`` (its flag could not be restored), or is not
+            floating point while ``requires_grad=True``.
+        SelectorError: ``bn`` is not a policy.
+
+    Note:
+        A copy of an active handle (made with the :class:`Frozen` module holding it, by
+        ``copy.deepcopy`` or pickling) is active and undoes the copied parameters and
+        layers. A copy of a *model* made while a handle is active is frozen too, but no
+        handle undoes it: release it with :func:`unfreeze`.
+
     Attributes:
         names: the parameter names the call selected, in model order.
         norms: the BatchNorm layers whose policy the call set, by name.
         exposures: with ``freeze(..., optimizer=...)``, the frozen parameters that optimizer
             holds in a param group where a zero-filled ``.grad`` would still move them.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    >>> handle = FreezeHandle(model, "mine()", dict(model[0].named_parameters()),
+    ...                       {"1": model[1]}, False, "eval")
+    >>> handle
+    FreezeHandle(mine on Sequential: 2 parameters, 1 BatchNorm layers, active)
+    >>> handle.restore()
     """
 
     def __init__(
@@ -307,8 +339,10 @@ def freeze(
 
     Raises:
         SelectorError: a selector matched nothing or is malformed; nothing was changed.
-        IsolationTypeError: ``model`` is not a module, a selector has the wrong type, or
-            ``optimizer`` is not an optimizer.
+        IsolationTypeError: ``model`` is not a module, a selector has the wrong type,
+            ``optimizer`` is not an optimizer, or a selected parameter is an uninitialized
+            lazy parameter (run one forward first) or was created under
+            ``torch.inference_mode()``; nothing was changed.
 
     Note:
         ``requires_grad=False`` alone does not freeze BatchNorm running statistics, which is
@@ -461,6 +495,17 @@ class Frozen(Wrapper):
 
     Raises:
         WrappingError: ``module`` is already wrapped, or has a live :class:`Frozen`.
+        IsolationTypeError: ``module`` has uninitialized lazy parameters (run one forward
+            first) or parameters created under ``torch.inference_mode()``; nothing was
+            changed. From ``forward``: an input holds tensors where they cannot be reached
+            (see :func:`isolate.stop_gradient`).
+
+    Note:
+        A copy of a :class:`Frozen` module (``copy.deepcopy``, pickling, ``torch.save`` /
+        ``torch.load(weights_only=False)``, the copy ``torch.optim.swa_utils.AveragedModel``
+        makes for EMA and SWA) is frozen on its own: its ``unwrap()`` releases the copy's
+        parameters and BatchNorm layers and leaves the original held, and the other way
+        round.
 
     >>> trunk = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     >>> frozen_trunk = Frozen(trunk).train()
