@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
+from isolate.sharding import canonical_parameters
 
 __all__ = [
     "Exposure",
@@ -428,7 +429,8 @@ class Snapshot:
         if self._module is None:
             return {e.name: t for e in self._entries if (t := e.live()) is not None}
         current: dict[str, torch.Tensor] = {}
-        current.update(self._module.named_parameters(remove_duplicate=False))
+        named = dict(self._module.named_parameters(remove_duplicate=False))
+        current.update(canonical_parameters(self._module, named, "snapshot()"))  # FSDP2 shards
         current.update(self._module.named_buffers(remove_duplicate=False))
         return current
 
@@ -669,6 +671,7 @@ def snapshot(
     entries: list[_Entry] = []
     if isinstance(target, nn.Module):
         params = dict(target.named_parameters(remove_duplicate=False))
+        params = canonical_parameters(target, params, caller)  # FSDP2: this rank's shards
         bufs = dict(target.named_buffers(remove_duplicate=False))
         if names is not None:
             if parameters != "all" or not buffers:

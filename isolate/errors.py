@@ -20,7 +20,9 @@ __all__ = [
     "RankDivergenceError",
     "RestoreError",
     "SelectorError",
+    "ShardedGraphError",
     "SpecError",
+    "UnsupportedStrategyError",
     "WrappingError",
 ]
 
@@ -75,6 +77,15 @@ class CutOffError(IsolationError, AssertionError):
 
 class BlindSpotError(IsolationError, RuntimeError):
     """An audit cannot see part of the graph (code re-run in backward), so it refuses."""
+
+
+class ShardedGraphError(BlindSpotError):
+    """The graph's leaves stand for parameters (copies or views a sharding wrapper made) that
+    cannot be mapped back to them, so an audit refuses rather than pass vacuously."""
+
+
+class UnsupportedStrategyError(SpecError):
+    """A distributed strategy or wrapper under which the spec cannot hold, with the reason."""
 
 
 class IsolationWarning(UserWarning):

@@ -391,11 +391,11 @@ def gradient_report(
             computed.append([None] * len(params))
     names = tuple(losses)
     grams = _Grams.of(names, inputs, computed)
-    key = {id(i): id(p) for i, p in zip(inputs, params, strict=True)}
+    param_of = {id(i): id(p) for i, p in zip(inputs, params, strict=True)}
     grams = _Grams(
         names,
-        {key[k]: v for k, v in grams.grams.items()},
-        {key[k]: v for k, v in grams.reached.items()},
+        {param_of[k]: v for k, v in grams.grams.items()},
+        {param_of[k]: v for k, v in grams.reached.items()},
     )
     whole, _ = grams.total(grams.grams)
     diagonal = whole.diagonal().tolist() if whole is not None else [0.0] * len(names)

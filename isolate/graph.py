@@ -18,6 +18,7 @@ from torch.autograd.graph import Node
 
 from isolate._selectors import Protected, check_module, resolve_named
 from isolate.errors import GradientLeakError, IsolationTypeError, IsolationWarning
+from isolate.sharding import check_leaves, roots_of
 
 __all__ = ["Losses", "assert_isolated", "check_losses", "reachable_parameters", "walk"]
 
@@ -221,6 +222,7 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
     outputs = check_losses(loss, caller)
     check_module(model, caller)
     found = walk(outputs, caller)
+    check_leaves(found, [model], caller)  # FSDP2 temporaries -> their parameters, or refuse
     return tuple(
         name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in found.leaves
     )
@@ -272,6 +274,8 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
     outputs = check_losses(loss, caller)
     named = resolve_named(protected, model, caller)
     found = walk(outputs, caller)
+    tensors = [entry.tensor for entry in named]
+    check_leaves(found, roots_of(protected, model), caller, tensors=tensors)
     leaked = [entry for entry in named if id(entry.tensor) in found.leaves]
     if not leaked:
         return

@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from isolate._selectors import describe, is_float, select
 from isolate._wrapping import Wrapper
 from isolate.errors import IsolationTypeError, SelectorError, SpecError, WrappingError
+from isolate.sharding import sharded_view
 from isolate.spec import IsolationSpec, Thaw
 
 __all__ = ["Group", "Names", "Plan", "Wrap", "resolve", "shown"]
@@ -45,11 +46,13 @@ class Names:
     @classmethod
     def of(cls, model: nn.Module) -> Names:
         names = cls()
+        view = sharded_view([model], "isolate")  # FSDP2: the sharded parameters, not temporaries
         stack: list[tuple[str, nn.Module]] = [("", model)]
         while stack:
             prefix, module = stack.pop()
             for name, p in module._parameters.items():
                 if p is not None and id(p) not in names.of_id:
+                    p = view.canonical(p)
                     names.params[prefix + name] = p
                     names.of_id[id(p)] = prefix + name
             for name, b in module._buffers.items():
@@ -67,6 +70,7 @@ class Names:
                 if c is not None
             ]
             stack.extend(reversed(children))
+        names.of_id.update(view.aliases(names.of_id))
         return names
 
     def name(self, tensor: torch.Tensor) -> str:

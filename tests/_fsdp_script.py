@@ -1,0 +1,312 @@
+"""Two CPU processes (gloo) running ``fully_shard`` (FSDP2) models for ``tests/test_fsdp.py``.
+
+Usage: ``python tests/_fsdp_script.py MODE OUT_DIR``. It spawns 2 processes (4 for
+``hsdp``) on a free port; each writes ``OUT_DIR/<mode>-rank<r>.json`` with what it measured.
+
+Modes:
+
+* ``audits``: the audits on a sharded model against the same model unsharded, on the same
+  batch, and the raw graph walk (the false pass without the fix);
+* ``engine``: an IsolationSpec applied to a sharded model and trained with AdamW (weight
+  decay) and with SGD (momentum): full-tensor fingerprints per step, thaw bookkeeping, and
+  the naive thaw that is lost when a unit stays unsharded;
+* ``hsdp``: the rank check on a 2 x 2 (replicate x shard) mesh of 4 processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import isolate
+from isolate import sharding
+from isolate.distributed import check_ranks
+from isolate.drift import fingerprint
+from isolate.graph import walk
+
+
+class Net(nn.Module):
+    def __init__(self, *, bn: bool = False) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(4, 8)]
+        if bn:
+            layers.append(nn.BatchNorm1d(8))
+        layers += [nn.ReLU(), nn.Linear(8, 8), nn.ReLU()]
+        self.trunk = nn.Sequential(*layers)
+        self.head = nn.Linear(8, 2)
+        self.aux = nn.Linear(8, 3)
+        self.cut = True  # whether the aux head sees detached features (audits only)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.trunk(x)
+        return self.head(features), self.aux(features.detach() if self.cut else features)
+
+
+def shard(model: Net) -> Net:
+    for layer in model.trunk:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model.aux)
+    fully_shard(model)
+    return model
+
+
+def batch(step: int = 0) -> torch.Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * dist.get_rank() + step))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # one tensor at a time
+
+
+def prints(model: nn.Module) -> dict[str, str]:
+    """Fingerprints of every full parameter and buffer (gathered one tensor at a time)."""
+    out = {n: f"{fingerprint(full(p.detach())):032x}" for n, p in model.named_parameters()}
+    out.update({n: f"{fingerprint(b):032x}" for n, b in model.named_buffers()})
+    return out
+
+
+def raises(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except Exception as error:  # the test asserts on the type and message
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def audits() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    ref = Net()
+    model = shard(copy.deepcopy(ref))
+    x = batch()
+    for cut in (False, True):
+        model.cut = ref.cut = cut
+        main, aux = model(x)
+        ref_main, ref_aux = ref(x)
+        loss, ref_loss = aux.sum(), ref_aux.sum()
+        key = "cut" if cut else "joined"
+        out[f"{key}/reach"] = isolate.reachable_parameters(aux.sum(), model)
+        out[f"{key}/reach_ref"] = isolate.reachable_parameters(ref_aux.sum(), ref)
+        found = walk([aux.sum()], "raw")  # the walk alone: what the audits saw before the fix
+        out[f"{key}/raw_reach"] = [n for n, p in model.named_parameters() if id(p) in found.leaves]
+        out[f"{key}/raw_trunk_hits"] = [
+            n for n, p in model.trunk.named_parameters() if id(p) in found.leaves
+        ]
+        out[f"{key}/isolated"] = raises(
+            lambda loss=loss: isolate.assert_isolated(loss, model.trunk[2], model=model)
+        )
+        out[f"{key}/isolated_no_model"] = raises(
+            lambda loss=loss: isolate.assert_isolated(loss, model.trunk)
+        )
+        out[f"{key}/isolated_ref"] = raises(
+            lambda loss=ref_loss: isolate.assert_isolated(loss, ref.trunk[2], model=ref)
+        )
+        groups = {"trunk": "trunk", "head": "head", "aux": "aux"}
+        report = isolate.gradient_report(
+            {"main": main.sum(), "aux": aux.sum()}, model, groups=groups
+        )
+        ref_report = isolate.gradient_report(
+            {"main": ref_main.sum(), "aux": ref_aux.sum()}, ref, groups=groups
+        )
+        out[f"{key}/report"] = report.to_dict()
+        out[f"{key}/report_ref"] = ref_report.to_dict()
+        inv = isolate.gradient_invariance(
+            main.sum(), main.sum() + aux.sum(), model.trunk, model=model
+        )
+        ref_inv = isolate.gradient_invariance(
+            ref_main.sum(), ref_main.sum() + ref_aux.sum(), ref.trunk, model=ref
+        )
+        out[f"{key}/invariance"] = dict(inv.deltas)
+        out[f"{key}/invariance_ref"] = dict(ref_inv.deltas)
+        # With the FSDP2 mapping switched off (an FSDP version isolate does not know), the
+        # generic rule still sees sharded parameters stood for by foreign leaves: refuse.
+        saved = sharding._fsdp_units
+        sharding._fsdp_units = lambda modules: iter(())  # type: ignore[assignment]
+        try:
+            out[f"{key}/unmapped"] = raises(
+                lambda loss=loss: isolate.reachable_parameters(loss, model)
+            )
+            out[f"{key}/unmapped_report"] = raises(
+                lambda loss=loss: isolate.gradient_report({"aux": loss}, model)
+            )
+        finally:
+            sharding._fsdp_units = saved  # type: ignore[assignment]
+        (main.sum() + aux.sum()).backward()
+        model.zero_grad()
+    # snapshot: the registered objects change between forward and backward; the shards do not.
+    model.cut = True
+    snap = isolate.snapshot(model, copy=False)
+    main, aux = model(x)
+    out["snapshot/after_forward"] = sorted(snap.changed())
+    out["snapshot/replaced_after_forward"] = list(snap.replaced())
+    (main.sum() + aux.sum()).backward()
+    torch.optim.SGD(model.head.parameters(), lr=0.1).step()
+    model.zero_grad()
+    out["snapshot/after_head_step"] = sorted(snap.changed())
+    return out
+
+
+def engine_run(make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = shard(Net(bn=True))  # trunk: 0 Linear, 1 BatchNorm1d, 2 ReLU, 3 Linear, 4 ReLU
+    opt = make_opt(list(model.parameters()))
+    spec = isolate.IsolationSpec(
+        freeze=["trunk"], detach=["aux"], bn="eval", thaw=[isolate.Thaw("trunk.3", step=2)]
+    )
+    handle = spec.apply(model, optimizer=opt)
+    rec: dict[str, Any] = {"prints": [prints(model)], "groups": [], "verify": [], "thawed": []}
+    for step in range(4):
+        rec["thawed"].append(handle.step(epoch=0, step=step))
+        rec["groups"].append([len(g["params"]) for g in opt.param_groups])
+        main, aux = model(batch(step))
+        v = handle.verify({"aux": aux.sum()}, checks=("losses",))
+        (main.sum() + aux.sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # zero grads: the trap for frozen parameters
+        v2 = handle.verify(checks=("drift", "flags", "optimizers", "ranks"))
+        rec["verify"].append([dict(v.losses), v2.ranks, list(v2.violations)])
+        rec["prints"].append(prints(model))
+    thawed_group = opt.param_groups[-1]["params"]
+    rec["thawed_group_is_dtensors"] = [
+        type(p).__name__ == "DTensor" and any(p is q for q in model.trunk[3].parameters())
+        for p in thawed_group
+    ]
+    rec["ids_in_optimizer"] = sum(len(g["params"]) for g in opt.param_groups)
+    rec["unique_ids_in_optimizer"] = len({id(p) for g in opt.param_groups for p in g["params"]})
+    handle.restore()
+    rec["requires_grad_after_restore"] = [p.requires_grad for p in model.parameters()]
+    rec["aux_type_after_restore"] = type(model.aux).__name__
+    return rec
+
+
+def naive_thaw(use_isolate: bool) -> bool:
+    """Whether a head frozen while its unit stayed unsharded learns after a thaw."""
+    torch.manual_seed(0)
+    model = shard(Net())
+    opt = torch.optim.SGD(
+        [p for n, p in model.named_parameters() if not n.startswith("head")], lr=0.1
+    )
+    handle = None
+    if use_isolate:
+        handle = isolate.IsolationSpec(
+            freeze=["head"], thaw=[isolate.Thaw("head", step=1, lr=0.1)]
+        ).apply(model, optimizer=opt)
+    else:
+        model.head.requires_grad_(False)
+    with torch.no_grad():  # a validation pass: the root unit stays unsharded after it
+        model(batch())
+    before = full(model.head.weight.detach()).clone()
+    if handle is not None:
+        handle.step(epoch=0, step=1)
+    else:  # the obvious thaw, on whatever objects the module holds now
+        model.head.requires_grad_(True)
+        opt.add_param_group({"params": list(model.head.parameters())})
+    for step in range(2):
+        main, aux = model(batch(step))
+        (main.sum() + aux.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    moved = not torch.equal(before, full(model.head.weight.detach()))
+    if handle is not None:
+        handle.restore()
+    return moved
+
+
+def engine() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "adamw": engine_run(lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)),
+        "sgd": engine_run(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01)),
+        "naive_thaw_moves": naive_thaw(False),
+        "isolate_thaw_moves": naive_thaw(True),
+    }
+    # The rank check compares fingerprints: a one-bit difference on one rank is caught, and
+    # FSDP shards (different on every rank by design) are not compared with each other.
+    t = torch.arange(8, dtype=torch.float32)
+    if dist.get_rank() == 1:
+        t.view(torch.int32)[3] ^= 1
+    model = shard(Net())
+    sharded = {n: p for n, p in model.named_parameters()}
+    out["ranks_plain"] = [str(e) for e in check_ranks({"t": t}, "now", "test")]
+    out["ranks_sharded"] = [str(e) for e in check_ranks(sharded, "now", "test")]
+    out["units_settled"] = sharding.settle(model)
+    return out
+
+
+def hsdp() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = Net()
+    for module in (model.trunk[0], model.trunk[2], model.aux, model):
+        fully_shard(module, mesh=mesh)
+    spec = isolate.IsolationSpec(freeze=["trunk.0"], thaw=[isolate.Thaw("trunk.0", step=1)])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    handle = spec.apply(model, optimizer=opt)
+    out: dict[str, Any] = {"violations": [], "prints": []}
+    for step in range(3):
+        handle.step(epoch=0, step=step)
+        main, aux = model(batch(step % 2 + 10 * (dist.get_rank() // 2)))
+        (main.sum() + aux.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        v = handle.verify(checks=("drift", "flags", "optimizers", "ranks"), on_violation="warn")
+        out["violations"].append(list(v.violations))
+        out["prints"].append(prints(model))
+    # Corrupt one replica's shard by one bit: the replicas of that shard disagree.
+    if dist.get_rank() == 3:
+        local = model.head.weight.to_local()
+        with torch.no_grad():
+            local.view(torch.int32).view(-1)[0] ^= 1
+    out["corrupted"] = [str(e) for e in check_ranks(dict(model.named_parameters()), "now", "t")]
+    handle.restore()
+    return out
+
+
+MODES: dict[str, Callable[[], dict[str, Any]]] = {"audits": audits, "engine": engine, "hsdp": hsdp}
+
+
+def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result: dict[str, Any] = {"rank": rank, "world": world}
+        try:
+            result.update(MODES[mode]())
+        except Exception:  # reported to the test, which fails on it
+            result["error"] = traceback.format_exc()
+        Path(out, f"{mode}-rank{rank}.json").write_text(json.dumps(result, default=str))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(
+        worker,
+        args=(4 if mode == "hsdp" else 2, port, mode, out),
+        nprocs=4 if mode == "hsdp" else 2,
+    )
+
+
+if __name__ == "__main__":
+    main()

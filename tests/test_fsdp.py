@@ -1,0 +1,224 @@
+"""Isolation under ``fully_shard`` (FSDP2): audits that see through the shards, the spec
+engine on sharded models, and refusals where a wrapper's graph leaves cannot be mapped.
+
+The distributed runs happen in ``_fsdp_script.py`` (2 CPU processes with gloo, 4 for the
+HSDP mesh); each rank writes what it measured, and the tests assert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import isolate
+from isolate.errors import ShardedGraphError
+from isolate.graph import walk
+
+SCRIPT = Path(__file__).with_name("_fsdp_script.py")
+
+
+def _run(mode: str, out: Path, world: int = 2) -> list[dict[str, Any]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(out)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(world)]
+    for rank in ranks:
+        assert "error" not in rank, rank["error"]
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def audits(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run("audits", tmp_path_factory.mktemp("fsdp_audits"))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run("engine", tmp_path_factory.mktemp("fsdp_engine"))
+
+
+TRUNK = ["trunk.0.weight", "trunk.0.bias", "trunk.2.weight", "trunk.2.bias"]
+
+
+@pytest.mark.slow
+def test_reachable_parameters_sees_through_the_shards(audits: list[dict[str, Any]]) -> None:
+    for rank in audits:
+        assert (
+            rank["joined/reach"] == rank["joined/reach_ref"] == [*TRUNK, "aux.weight", "aux.bias"]
+        )
+        assert rank["cut/reach"] == rank["cut/reach_ref"] == ["aux.weight", "aux.bias"]
+        # Negative control: the walk alone finds none of the sharded parameters, so the
+        # audit before the fix answered () and "isolated" for a loss that reaches the trunk.
+        assert rank["joined/raw_reach"] == [] and rank["joined/raw_trunk_hits"] == []
+
+
+@pytest.mark.slow
+def test_assert_isolated_fails_where_the_loss_reaches_a_sharded_layer(
+    audits: list[dict[str, Any]],
+) -> None:
+    for rank in audits:
+        for key in ("joined/isolated", "joined/isolated_ref"):
+            assert rank[key].startswith(
+                "GradientLeakError: assert_isolated(): the loss reaches 2 of 2 protected"
+            )
+            assert "trunk.2.weight" in rank[key] and "AddmmBackward0" in rank[key]
+        assert rank["joined/isolated_no_model"].startswith(
+            "GradientLeakError: assert_isolated(): the loss reaches 4 of 4"
+        )
+        assert rank["cut/isolated"] == rank["cut/isolated_no_model"] == ""
+
+
+@pytest.mark.slow
+def test_gradient_audits_equal_the_unsharded_model(audits: list[dict[str, Any]]) -> None:
+    for rank in audits:
+        for key in ("joined", "cut"):
+            report, ref = rank[f"{key}/report"], rank[f"{key}/report_ref"]
+            for group in ("trunk", "head", "aux"):
+                got, want = report["groups"][group]["norm"], ref["groups"][group]["norm"]
+                assert got.keys() == want.keys()
+                for loss, value in want.items():
+                    assert (got[loss] is None) == (value is None), (key, group, loss)
+                    if value is not None:
+                        assert got[loss] == pytest.approx(value, rel=1e-6)
+            assert rank[f"{key}/invariance"] == pytest.approx(rank[f"{key}/invariance_ref"])
+        assert set(rank["cut/invariance"].values()) == {0.0}
+        assert all(d > 0 for d in rank["joined/invariance"].values())
+        assert rank["cut/report"]["groups"]["trunk"]["norm"]["aux"] is None
+
+
+@pytest.mark.slow
+def test_unmapped_sharded_leaves_are_refused(audits: list[dict[str, Any]]) -> None:
+    # With the FSDP2 mapping switched off, the generic rule still refuses.
+    for rank in audits:
+        for key in ("joined/unmapped", "cut/unmapped"):
+            assert rank[key].startswith(
+                "ShardedGraphError: reachable_parameters(): the graph's leaves are not the "
+                "model's parameters"
+            )
+        assert rank["joined/unmapped_report"].startswith("ShardedGraphError: gradient_report()")
+        assert "'trunk.2.weight'" in rank["joined/unmapped"]
+
+
+@pytest.mark.slow
+def test_snapshot_follows_the_shards(audits: list[dict[str, Any]]) -> None:
+    for rank in audits:
+        # Between forward and backward the root unit registers unsharded temporaries; the
+        # snapshot still reads the shards, so nothing "changed" or was "replaced".
+        assert rank["snapshot/after_forward"] == rank["snapshot/replaced_after_forward"] == []
+        assert rank["snapshot/after_head_step"] == ["head.bias", "head.weight"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_spec_on_a_sharded_model(engine: list[dict[str, Any]], optimizer: str) -> None:
+    runs = [rank[optimizer] for rank in engine]
+    for run in runs:
+        # thaw at step 2 adds the two DTensor parameters of trunk.3 once, as a new group
+        assert run["thawed"] == [[], [], ["trunk.3"], []]
+        assert run["groups"] == [[4], [4], [4, 2], [4, 2]]
+        assert run["thawed_group_is_dtensors"] == [True, True]
+        assert run["ids_in_optimizer"] == run["unique_ids_in_optimizer"] == 6
+        # every check passed on every step, the rank check across both processes
+        assert [v[1] for v in run["verify"]] == [2, 2, 2, 2]
+        assert all(v[2] == [] for v in run["verify"])
+        assert [v[0]["aux"] for v in run["verify"]] == [6, 6, 4, 4]
+        assert all(run["requires_grad_after_restore"])
+        assert run["aux_type_after_restore"] == "FSDPLinear"  # the Detached wrapper is gone
+        prints = run["prints"]  # full tensors, before and after each of 4 steps
+        for name in ["trunk.0.weight", "trunk.0.bias", "trunk.1.weight", "trunk.1.bias"]:
+            assert len({p[name] for p in prints}) == 1, name  # frozen: bitwise unchanged
+        for name in ["trunk.1.running_mean", "trunk.1.running_var"]:
+            assert len({p[name] for p in prints}) == 1, name  # bn="eval" holds the stats
+        w = [p["trunk.3.weight"] for p in prints]
+        assert w[0] == w[1] == w[2] and w[3] != w[2] and w[4] != w[3]  # moves once thawed
+        assert len({p["head.weight"] for p in prints}) == 5
+    # the ranks hold identical full parameters after every step, the thaw included
+    assert runs[0]["prints"] == runs[1]["prints"]
+
+
+@pytest.mark.slow
+def test_thaw_is_lost_on_an_unsharded_unit_without_isolate(engine: list[dict[str, Any]]) -> None:
+    for rank in engine:
+        assert rank["naive_thaw_moves"] is False  # negative control: requires_grad_ + group
+        assert rank["isolate_thaw_moves"] is True  # reshard first, then flip the DTensors
+
+
+@pytest.mark.slow
+def test_rank_check_compares_fingerprints(engine: list[dict[str, Any]]) -> None:
+    for rank in engine:
+        other = 1 - rank["rank"]
+        assert len(rank["ranks_plain"]) == 1
+        assert rank["ranks_plain"][0].startswith(
+            "test: parameters differ across the 2 ranks (now): ['t']"
+        )
+        assert f"rank(s) [{other}]" in rank["ranks_plain"][0]
+        assert rank["ranks_sharded"] == []  # FSDP shards have one owner each
+        assert rank["units_settled"] == 4
+
+
+class FlatViews(nn.Module):
+    """A toy wrapper that runs its module on views of one hidden flat leaf, as FSDP1 and
+    flat-buffer optimizers do: the registered parameters share the leaf's storage but are
+    never in the graph."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        object.__setattr__(self, "_hidden", nn.Parameter(flat))  # a leaf, not registered
+        offset = 0
+        self._slices: dict[str, tuple[int, torch.Size]] = {}
+        for name, p in module.named_parameters():
+            p.data = flat[offset : offset + p.numel()].view_as(p)
+            self._slices[name] = (offset, p.shape)
+            offset += p.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat: torch.Tensor = object.__getattribute__(self, "_hidden")
+        views = {n: flat[o : o + s.numel()].view(s) for n, (o, s) in self._slices.items()}
+        return functional_call(self.module, views, (x,))  # type: ignore[no-any-return]
+
+
+def test_wrapper_with_hidden_leaves_is_refused() -> None:
+    model = FlatViews(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)))
+    loss = model(torch.randn(2, 3)).sum()
+    # Negative control: the walk finds none of the registered parameters; without the
+    # refusal, "()" and a passing assert_isolated are a vacuous proof.
+    found = walk([loss], "raw")
+    assert not any(id(p) in found.leaves for p in model.parameters())
+    with pytest.raises(ShardedGraphError, match=r"^reachable_parameters\(\): the graph's leaves"):
+        isolate.reachable_parameters(loss, model)
+    with pytest.raises(ShardedGraphError, match=r"^assert_isolated\(\): the graph's leaves"):
+        isolate.assert_isolated(loss, model.module[0], model=model)
+    with pytest.raises(ShardedGraphError, match=r"^gradient_report\(\): "):
+        isolate.gradient_report({"main": loss}, model)
+    assert issubclass(ShardedGraphError, isolate.BlindSpotError)
+
+
+def test_foreign_leaves_that_stand_for_nothing_are_fine() -> None:
+    # Another model's parameters and inputs that require grad are ordinary foreign leaves.
+    encoder, head = nn.Linear(3, 3), nn.Linear(3, 1)
+    x = torch.randn(2, 3, requires_grad=True)
+    loss = head(encoder(x).detach() + x).sum()
+    assert isolate.reachable_parameters(loss, encoder) == ()
+    isolate.assert_isolated(loss, encoder)
+    assert isolate.reachable_parameters(loss, head) == ("weight", "bias")
