@@ -21,7 +21,9 @@ from isolate.errors import (
     RankDivergenceError,
     RestoreError,
     SelectorError,
+    ShardedGraphError,
     SpecError,
+    UnsupportedStrategyError,
     WrappingError,
 )
 from isolate.freezing import FreezeHandle, Frozen, freeze, frozen, is_frozen, unfreeze, unfrozen
@@ -62,9 +64,11 @@ __all__ = [
     "RankDivergenceError",
     "RestoreError",
     "SelectorError",
+    "ShardedGraphError",
     "Snapshot",
     "SpecError",
     "Thaw",
+    "UnsupportedStrategyError",
     "WrappingError",
     "assert_isolated",
     "assert_reached",
