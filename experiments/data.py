@@ -466,7 +466,7 @@ class MNISTDataModule(pl.LightningDataModule):
         images = "images" in name
         with self._decompressed(name, origin) as path:
             try:
-                tensor = (read_image_file if images else read_label_file)(str(path))
+                tensor: torch.Tensor = (read_image_file if images else read_label_file)(str(path))
             except (AssertionError, KeyError, RuntimeError, TypeError, ValueError) as exc:
                 # torchvision's reader checks the header against the byte count, mostly with
                 # bare asserts; this says which file, and survives python -O as KeyError etc.
