@@ -10,6 +10,10 @@ Note:
     listing it in ``pytest_plugins`` or passing ``-p isolate.testing`` as well is harmless;
     with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` set, ``-p isolate.testing`` loads it.
 
+:func:`assert_isolated` (no path from a loss to protected parameters) and
+:func:`assert_reached` (a path from some loss to every trainable parameter) are the core's
+own assertions, re-exported here so that a test suite finds them in one place.
+
 The helpers are plain functions and work without pytest:
 
 >>> import torch
@@ -24,21 +28,24 @@ The helpers are plain functions and work without pytest:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from isolate._selectors import Protected
+from isolate._selectors import Protected, Selector
 from isolate.drift import ParameterFilter, Snapshot, snapshot
 from isolate.errors import GradientLeakError
 from isolate.gradients import gradient_invariance
-from isolate.graph import assert_isolated
+from isolate.graph import Losses, assert_isolated
+from isolate.reach import assert_reached, trace_forward
 
 __all__ = [
     "assert_gradient_invariance",
     "assert_isolated",
+    "assert_reached",
+    "assert_trains",
     "assert_unchanged",
     "isolation_snapshot",
 ]
@@ -93,6 +100,41 @@ def assert_gradient_invariance(
         + "\nFix: find the path with assert_isolated(aux_loss, protected) for each auxiliary "
         "loss, and cut it with isolate.stop_gradient or isolate.Detached"
     )
+
+
+def assert_trains(
+    model: nn.Module,
+    forward: Callable[[], Losses | Mapping[str, torch.Tensor]],
+    *,
+    expected_unused: Selector | Sequence[Selector] = (),
+) -> None:
+    """Run ``forward()`` under :func:`isolate.trace_forward` and assert that its losses reach
+    every trainable parameter of ``model``, with the reason for each one they do not.
+
+    Args:
+        model: the module whose trainable parameters must all get a gradient.
+        forward: runs the forward pass and returns the loss (a tensor, a sequence, or a
+            mapping of names to tensors); no backward is needed.
+        expected_unused: selectors for parameters allowed to go unused, as in
+            :func:`isolate.cut_off_parameters`.
+
+    Raises:
+        CutOffError: naming each cut-off parameter, why (the module did not run, ran under
+            ``no_grad`` or inside a reentrant checkpoint whose inputs do not require grad,
+            or its output was detached) and the fix.
+        BlindSpotError: the graph holds a reentrant checkpoint and cannot show the rest.
+
+    >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    >>> assert_trains(model, lambda: model(torch.randn(2, 3)).sum())
+    >>> assert_trains(model, lambda: model[1](model[0](torch.randn(2, 3)).detach()).sum())
+    Traceback (most recent call last):
+    ...
+    isolate.errors.CutOffError: assert_reached(): 2 of 4 trainable parameters get no gradient ...
+    """
+    __tracebackhide__ = True
+    with trace_forward(model) as trace:
+        losses = forward()
+    assert_reached(losses, model, expected_unused=expected_unused, trace=trace)
 
 
 @contextlib.contextmanager

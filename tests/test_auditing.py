@@ -303,7 +303,7 @@ def test_wrong_types(loss: Any, model: Any, message: str) -> None:
     assert isinstance(info.value, TypeError) and isinstance(info.value, IsolationError)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(
     n_layers=st.integers(1, 6),
     cut=st.integers(0, 6),

@@ -14,15 +14,40 @@ from torch import nn
 
 import isolate.testing as plugin
 from isolate.drift import Snapshot
-from isolate.errors import DriftError, GradientLeakError
+from isolate.errors import CutOffError, DriftError, GradientLeakError
 from isolate.graph import assert_isolated as auditing_assert_isolated
-from isolate.testing import assert_gradient_invariance, assert_isolated, assert_unchanged
+from isolate.reach import assert_reached as core_assert_reached
+from isolate.testing import (
+    assert_gradient_invariance,
+    assert_isolated,
+    assert_reached,
+    assert_trains,
+    assert_unchanged,
+)
 
 pytest_plugins = ["pytester"]
 
 
 def test_assert_isolated_is_the_auditing_one() -> None:
     assert assert_isolated is auditing_assert_isolated
+    assert assert_reached is core_assert_reached
+
+
+def test_assert_trains_names_the_cut_off_with_the_traced_reason() -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(3, 3), "head": nn.Linear(3, 1)})
+    x = torch.randn(2, 3)
+    assert_trains(model, lambda: model["head"](model["body"](x)).sum())
+    with pytest.raises(CutOffError, match=r"^assert_reached\(\): 2 of 4 trainable") as info:
+        assert_trains(model, lambda: model["head"](model["body"](x).detach()).sum())
+    assert "\n  body.weight, body.bias: 'body' (Linear) ran, but its output does not" in str(
+        info.value
+    )
+    assert "starts again at 'head' (Linear)" in str(info.value)
+    with pytest.raises(CutOffError, match=r"'body' \(Linear\) did not run in the traced"):
+        assert_trains(model, lambda: {"main": model["head"](x).sum()})
+    assert_trains(model, lambda: [model["head"](x).sum()], expected_unused="body")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_assert_unchanged_passes_and_yields_the_snapshot() -> None:
