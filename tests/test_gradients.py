@@ -12,7 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from isolate import freeze, gradient_invariance, gradient_report
+from isolate import (
+    assert_isolated,
+    cut_off_parameters,
+    freeze,
+    gradient_invariance,
+    gradient_report,
+    reachable_parameters,
+)
 from isolate.gradients import GradientReport
 
 
@@ -269,3 +276,43 @@ def test_a_frozen_group_reads_as_frozen_not_empty() -> None:
         ]
     finally:
         handle.restore()
+
+
+# --------------------------------------------------------------------------------------------
+# gradient_invariance and the graph audits in every precision
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_invariance_matches_a_float64_reference_in_every_precision(precision: str) -> None:
+    dtype, context = PRECISIONS[precision]
+    torch.manual_seed(0)
+    net = Net().to(dtype)
+    with context():  # type: ignore[attr-defined]
+        features = net.encoder(torch.randn(8, 6, dtype=dtype))
+        main = net.head(features).pow(2).mean()
+        isolated = main + net.probe(features.detach()).pow(2).mean()
+        leaky = main + net.probe(features).pow(2).mean()
+    assert gradient_invariance(main, isolated, net.encoder).max_delta == 0.0
+    result = gradient_invariance(main, leaky, net.encoder)
+    params = list(net.encoder.parameters())
+    before = torch.autograd.grad(main, params, retain_graph=True)
+    after = torch.autograd.grad(leaky, params, retain_graph=True)
+    names = [n for n, _ in net.encoder.named_parameters()]
+    for name, b, a in zip(names, before, after, strict=True):
+        expected = float((a.double() - b.double()).abs().max())
+        assert result.deltas[name] == expected  # exact: differences of the same numbers
+    assert result.max_delta > 0
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_graph_audits_in_every_precision(precision: str) -> None:
+    dtype, context = PRECISIONS[precision]
+    torch.manual_seed(0)
+    net = Net().to(dtype)
+    with context():  # type: ignore[attr-defined]
+        losses = net.losses(torch.randn(8, 6, dtype=dtype))
+    assert reachable_parameters(losses["probe"], net) == ("probe.weight", "probe.bias")
+    assert_isolated(losses["probe"], net.encoder)
+    cut = cut_off_parameters(losses["main"], net)
+    assert list(cut.parameters) == ["probe.weight", "probe.bias"]
+    assert cut_off_parameters(list(losses.values()), net).clean
