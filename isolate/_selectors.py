@@ -134,7 +134,9 @@ def _is_type(selector: object) -> bool:
 
 
 def _is_glob(selector: object) -> bool:
-    return isinstance(selector, str) and not _is_type(selector) and bool(_GLOB_CHARS & set(selector))
+    if not isinstance(selector, str) or _is_type(selector):
+        return False
+    return bool(_GLOB_CHARS & set(selector))
 
 
 def _type_modules(

@@ -353,7 +353,7 @@ class OptimizerLink:
         group = add_group(opt, list(g.params.values()), options, self.schedulers, source=source)
         self._added[g.name] = (opt, group)
         if self.clock is not None and (g.thaw.warmup_ratio is not None or g.thaw.align):
-            reference = opt.param_groups[source if source is not None else 0]
+            reference = source if source is not None else 0
             self.shapers[g.name] = Shaper(opt, group, reference, g.thaw, self.clock(g.name))
         return group
 
@@ -365,7 +365,16 @@ class OptimizerLink:
         added = self._added.pop(name, None)
         if added is not None:
             opt, group = added
+            self._forget(opt, [i for i, g in enumerate(opt.param_groups) if g is group])
             opt.param_groups[:] = [g for g in opt.param_groups if g is not group]
+
+    def _forget(self, opt: torch.optim.Optimizer, indices: Sequence[int]) -> None:
+        """Take param groups ``indices`` of ``opt`` out of its schedulers' per-group state."""
+        n = len(opt.param_groups)
+        for index in sorted(indices, reverse=True):
+            for scheduler in lr_schedulers.of(opt, self.schedulers):
+                lr_schedulers.drop(scheduler, index, n)
+            n -= 1
 
     def release(self) -> None:
         """Take the lr shapers' hooks off the optimizers (groups stay as they are)."""
@@ -377,6 +386,7 @@ class OptimizerLink:
         """Put every param group back as it was at :meth:`attach`."""
         self.release()
         for opt, groups in self._before:
+            self._forget(opt, range(len(groups), len(opt.param_groups)))
             del opt.param_groups[len(groups) :]
             for group, params in zip(opt.param_groups, groups, strict=True):
                 group["params"] = params

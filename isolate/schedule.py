@@ -66,12 +66,15 @@ class Shaper:
 
     Before the step the group's lr becomes ``ramp(t) * lr``, where ``lr`` is the group's own
     (as the scheduler left it) or, with ``align``, the current lr of the reference group;
-    after the step the group's own value is put back exactly.
+    after the step the group's own value is put back exactly. The group is found by its
+    first parameter at each step, since ``optimizer.load_state_dict`` (a resume) replaces the
+    param-group dicts.
 
     Args:
         opt: the optimizer.
-        group: the thawed param group (the dict in ``opt.param_groups``).
-        reference: the group to follow with ``align`` (where the parameters came from).
+        group: the thawed param group (a dict in ``opt.param_groups``).
+        reference: the index of the group to follow with ``align`` (where the parameters came
+            from).
         thaw: the step's declaration.
         clock: where training is, and where it was at the thaw.
     """
@@ -80,16 +83,25 @@ class Shaper:
         self,
         opt: torch.optim.Optimizer,
         group: dict[str, Any],
-        reference: dict[str, Any] | None,
+        reference: int,
         thaw: Thaw,
         clock: Clock,
     ) -> None:
-        self.group, self.reference, self.thaw, self.clock = group, reference, thaw, clock
+        self.opt, self.reference, self.thaw, self.clock = opt, reference, thaw, clock
+        self._param = group["params"][0]
+        self._group = group
         self._saved: float | None = None
         self._hooks: list[RemovableHandle] = [
             opt.register_step_pre_hook(self._pre),
             opt.register_step_post_hook(self._post),
         ]
+
+    def group(self) -> dict[str, Any]:
+        """The thawed param group as the optimizer holds it now."""
+        groups = self.opt.param_groups
+        if not any(g is self._group for g in groups):
+            self._group = next(g for g in groups if any(p is self._param for p in g["params"]))
+        return self._group
 
     def lr(self) -> float:
         """The lr the group steps with now."""
@@ -99,16 +111,17 @@ class Shaper:
             steps=now["global_step"] - at["global_step"],
             epochs=now["epoch"] - at["epoch"],
         )
-        base = self.reference["lr"] if self.thaw.align and self.reference else self.group["lr"]
-        return float(base) * factor
+        source = self.opt.param_groups[self.reference] if self.thaw.align else self.group()
+        return float(source["lr"]) * factor
 
     def _pre(self, *_: Any) -> None:
-        self._saved = self.group["lr"]
-        self.group["lr"] = self.lr()
+        group = self.group()
+        lr = self.lr()
+        self._saved, group["lr"] = group["lr"], lr
 
     def _post(self, *_: Any) -> None:
         if self._saved is not None:
-            self.group["lr"], self._saved = self._saved, None
+            self.group()["lr"], self._saved = self._saved, None
 
     def remove(self) -> None:
         """Take the hooks off (the group keeps its own, unramped lr)."""
@@ -137,10 +150,10 @@ class Plateau:
 
     def update(self, value: float) -> bool:
         """Take one check's value; whether the metric has now stopped improving."""
-        improved = math.isfinite(value) and (
-            value < self.best - self.min_delta
+        improved = math.isfinite(value) and (  # EarlyStopping's comparison, term for term
+            value + self.min_delta < self.best
             if self.mode == "min"
-            else value > self.best + self.min_delta
+            else value - self.min_delta > self.best
         )
         if improved:
             self.best, self.wait = value, 0
@@ -171,8 +184,10 @@ class Phases:
     def watching(self, thawed: Sequence[str]) -> str | None:
         """The metric thaw that watches now, if any."""
         for name in self.order:
-            if name in thawed or name in self.fired:
+            if name in thawed:
                 continue
+            if name in self.fired:
+                return None  # the phase before has ended, its thaw is pending
             return name if name in self.plateaus else None
         return None
 
@@ -302,6 +317,8 @@ def to_yaml(schedule: Mapping[str, Any], header: str = "") -> str:
             return "null"
         if isinstance(value, bool):
             return "true" if value else "false"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(scalar(v) for v in value) + "]"
         return repr(value)
 
     lines = [f"# {line}".rstrip() for line in header.splitlines()]

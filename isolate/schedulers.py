@@ -20,7 +20,7 @@ from torch.optim import lr_scheduler as lrs
 
 from isolate.errors import SpecError
 
-__all__ = ["KNOWN", "check", "current_lr", "extend", "of"]
+__all__ = ["KNOWN", "check", "current_lr", "drop", "extend", "of"]
 
 KNOWN: tuple[type[Any], ...] = (
     lrs.LambdaLR,
@@ -171,6 +171,28 @@ def current_lr(
     if len(schedulers) > 1 or floor >= min(base, base_lr):
         floor = 0.0
     return floor + (base_lr - floor) * (float(ref["lr"]) - floor) / (float(base) - floor)
+
+
+_PER_GROUP = (
+    "base_lrs",
+    "lr_lambdas",
+    "max_lrs",
+    "min_lrs",
+    "_last_lr",
+    "base_momentums",
+    "max_momentums",
+)
+
+
+def drop(scheduler: Any, index: int, n: int) -> None:
+    """Take entry ``index`` out of the per-group lists that have ``n`` entries (the group is
+    leaving the optimizer: an undone thaw, or ``restore``)."""
+    for child in _children(scheduler):
+        drop(child, index, n)
+    for name in _PER_GROUP:
+        values = getattr(scheduler, name, None)
+        if isinstance(values, list) and len(values) == n:
+            del values[index]
 
 
 def _at(values: object, index: int, default: float) -> float:
