@@ -475,6 +475,9 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     while items:
         arg = items.pop(0)
         name, eq, _ = arg.partition("=")
+        if name == "--keep-grads":
+            sys.stderr.write(f"{PROG} suite: --keep-grads is deprecated; grads.pt is always kept\n")
+            continue
         if name in _DEPRECATED:
             new = _DEPRECATED[name]
             sys.stderr.write(f"{PROG} suite: {name} is deprecated; use {new.partition('=')[0]}\n")

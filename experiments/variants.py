@@ -19,6 +19,7 @@ it, and no code names it.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +138,9 @@ def select(variants: Sequence[Variant], only: Iterable[str] | None) -> list[Vari
     wanted = set(only)
     unknown = sorted(wanted - set(by_name))
     if unknown:
-        raise ValueError(f"unknown variants {unknown}; choose from {sorted(by_name)}")
+        close = [m for u in unknown for m in difflib.get_close_matches(u, list(by_name), n=1)]
+        hint = f"; did you mean {close}?" if close else ""
+        raise ValueError(f"unknown variants {unknown}{hint}; choose from {sorted(by_name)}")
     pending = list(wanted)
     while pending:
         for need in by_name[pending.pop()].needs:

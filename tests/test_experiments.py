@@ -508,6 +508,19 @@ def test_a_misspelt_subcommand_or_option_gets_a_suggestion(
     )
 
 
+def test_an_unknown_variant_is_refused_with_a_suggestion(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["suite", "--only=detachd", f"--output={tmp_path}"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "python -m experiments suite: error: unknown variants ['detachd']; did you mean "
+        "['detached']?; choose from ['attached', 'baseline',"
+    )
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran
+
+
 def test_suite_options_are_spelled_like_fits_and_the_old_ones_still_work(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
