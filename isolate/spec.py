@@ -186,7 +186,7 @@ class Thaw:
     >>> Thaw("trunk", epoch=2, lr=1e-3).name
     'trunk'
     >>> Thaw(["trunk.0", "trunk.1"], step=100)  # doctest: +ELLIPSIS
-    Thaw(select=['trunk.0', 'trunk.1'], epoch=None, step=100, lr=None, ..., name='trunk.0+trunk.1', ...)
+    Thaw(select=['trunk.0', 'trunk.1'], epoch=None, step=100, ..., name='trunk.0+trunk.1', ...)
     >>> Thaw("trunk")
     Traceback (most recent call last):
     ...
