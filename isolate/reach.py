@@ -11,6 +11,7 @@ whose inputs do not require grad, or its output was detached on the way to the l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,6 @@ from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
 from isolate._selectors import Selector, check_module, select
-from isolate._tree import iter_tensors
 from isolate.errors import BlindSpotError, CutOffError, IsolationTypeError
 from isolate.graph import Losses, _Walk, check_losses, walk
 
@@ -62,6 +62,28 @@ class _Call:
         )
 
 
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in a module's inputs or outputs, as far as plain containers go.
+
+    Lenient on purpose, unlike ``isolate._tree``: the trace runs inside the user's forward
+    and must never break it. What it misses only makes a reason vaguer; which parameters
+    are cut off comes from the graph walk alone.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 8:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item, depth + 1)
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name, None), depth + 1)
+
+
 def _enclosing_checkpoint() -> tuple[Node | None, bool]:
     """The reentrant checkpoint node whose forward is on the stack, if any."""
     frame = sys._getframe(2)
@@ -69,7 +91,7 @@ def _enclosing_checkpoint() -> tuple[Node | None, bool]:
         if frame.f_code in _CHECKPOINT_CODES:
             ctx = frame.f_locals.get("ctx")
             args = frame.f_locals.get("args", ())
-            inputs_grad = any(t.requires_grad for t in iter_tensors(args))
+            inputs_grad = any(t.requires_grad for t in _tensors(args))
             return (ctx if isinstance(ctx, Node) else None), inputs_grad
         frame = frame.f_back  # type: ignore[assignment]
     return None, False
@@ -92,7 +114,7 @@ class ForwardTrace:
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         grad = torch.is_grad_enabled()
-        tensors = [*iter_tensors(args), *iter_tensors(kwargs)]
+        tensors = [*_tensors(args), *_tensors(kwargs)]
         call = _Call(
             order=self._count,
             grad_enabled=grad,
@@ -108,7 +130,7 @@ class ForwardTrace:
         if not pending:
             return
         call = pending.pop()
-        for t in iter_tensors(output):
+        for t in _tensors(output):
             if t.grad_fn is not None:
                 call.outputs.append(t.grad_fn)
             elif t.requires_grad:

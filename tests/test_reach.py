@@ -459,3 +459,25 @@ def test_cut_off_agrees_with_reachable_parameters() -> None:
     assert set(cut.parameters) == {n for n, _ in model.named_parameters()} - reached
     assert isinstance(cut, CutOff)
     assert str(cut).startswith("2 of 8 trainable parameters get no gradient from any loss:\n  ")
+
+
+def test_the_trace_never_breaks_a_forward_on_inputs_it_cannot_look_into() -> None:
+    class Batch:  # a PyG-style batch: tensors in attributes, no pytree rule
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(3, 3)
+            self.unused = nn.Linear(3, 3)
+
+        def forward(self, batch: Batch) -> Batch:
+            return Batch(self.body(batch.x))
+
+    model = Net()
+    with trace_forward(model) as trace:
+        out = model(Batch(torch.randn(2, 3)))
+    cut = cut_off_parameters(out.x.sum(), model, trace=trace)
+    assert list(cut.parameters) == ["unused.weight", "unused.bias"]  # from the walk alone
+    assert cut.parameters["unused.bias"].startswith("'unused' (Linear) did not run")
