@@ -12,6 +12,7 @@ import hashlib
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -243,6 +244,19 @@ def _dense_fingerprint(t: torch.Tensor) -> int:
     return ((high ^ _header(t)) << 64) | low
 
 
+def _fingerprints(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """id -> fingerprint of each distinct tensor, on as many threads as torch may use: the
+    integer mv is single-threaded, and torch lets go of the GIL while it runs."""
+    unique = list({id(t): t for t in tensors}.values())
+    workers = min(torch.get_num_threads(), len(unique))
+    if workers <= 1:
+        return {id(t): fingerprint(t) for t in unique}
+    largest_first = sorted(unique, key=lambda t: -t.numel() * t.element_size())
+    with ThreadPoolExecutor(workers) as pool:
+        prints = pool.map(fingerprint, largest_first)
+        return {id(t): fp for t, fp in zip(largest_first, prints, strict=True)}
+
+
 def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
     if t.layout == torch.sparse_coo:
         t = t if t.is_coalesced() else t.coalesce()  # the value, not one of its spellings
@@ -436,7 +450,14 @@ class Snapshot:
 
     def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
         current = self._current()
-        prints: dict[int, int] = {}  # tied tensors are read once
+        read = [
+            now
+            for e in self._entries
+            if e.saved is None
+            and (now := current.get(e.name)) is not None
+            and tuple(_local(now).shape) == e.shape
+        ]
+        prints = _fingerprints(read)  # tied tensors are read once
         out = []
         for entry in self._entries:
             now = current.get(entry.name)
@@ -447,10 +468,7 @@ class Snapshot:
             elif tuple(_local(now).shape) != entry.shape:
                 delta = math.inf
             else:
-                if id(now) not in prints:
-                    prints[id(now)] = fingerprint(now)
-                same = prints[id(now)] == entry.print
-                delta = 0.0 if same else math.nan
+                delta = 0.0 if prints[id(now)] == entry.print else math.nan
             if not delta <= atol or now is not entry.live():
                 out.append((entry, now, delta))
         return out
@@ -645,17 +663,26 @@ def snapshot(
             f"{caller}: parameters={parameters!r} is not a filter; expected one of {list(_FILTERS)}"
         )
     saved: dict[int, tuple[torch.Tensor | None, int]] = {}
+    chosen: list[tuple[str, Literal["parameter", "buffer"], torch.Tensor, bool]] = []
 
     def entry(
+        name: str, kind: Literal["parameter", "buffer"], t: torch.Tensor, strong: bool
+    ) -> None:
+        chosen.append((name, kind, t, strong))
+
+    def record(description: str, module: nn.Module | None) -> Snapshot:
+        if not copy:
+            prints = _fingerprints(t for _, _, t, _ in chosen)
+            saved.update((i, (None, fp)) for i, fp in prints.items())
+        return Snapshot([make(*c) for c in chosen], module, description, copy)
+
+    def make(
         name: str, kind: Literal["parameter", "buffer"], t: torch.Tensor, strong: bool
     ) -> _Entry:
         # Aliases (tied weights, shared buffers) share one copy or fingerprint.
         if id(t) not in saved:
-            if copy:
-                data = _local(t)
-                saved[id(t)] = (data.clone() if device is None else data.to(device, copy=True), 0)
-            else:
-                saved[id(t)] = (None, fingerprint(t))
+            data = _local(t)
+            saved[id(t)] = (data.clone() if device is None else data.to(device, copy=True), 0)
         kept, print_ = saved[id(t)]
         local = _local(t)
         live: Callable[[], torch.Tensor | None]
@@ -668,7 +695,6 @@ def snapshot(
             live = weakref.ref(t)
         return _Entry(name, kind, kept, print_, tuple(local.shape), local.dtype, local.layout, live)
 
-    entries: list[_Entry] = []
     if isinstance(target, nn.Module):
         params = dict(target.named_parameters(remove_duplicate=False))
         params = canonical_parameters(target, params, caller)  # FSDP2: this rank's shards
@@ -689,20 +715,20 @@ def snapshot(
                 )
             for name in dict.fromkeys(wanted):
                 if name in params:
-                    entries.append(entry(name, "parameter", params[name], False))
+                    entry(name, "parameter", params[name], False)
                 else:
-                    entries.append(entry(name, "buffer", bufs[name], False))
-            return Snapshot(entries, target, type(target).__name__, copy)
+                    entry(name, "buffer", bufs[name], False)
+            return record(type(target).__name__, target)
         for name, p in params.items():
             keep = parameters == "all" or (
                 parameters != "none" and p.requires_grad == (parameters == "trainable")
             )
             if keep:
-                entries.append(entry(name, "parameter", p, False))
+                entry(name, "parameter", p, False)
         if buffers:
             for name, b in bufs.items():
-                entries.append(entry(name, "buffer", b, False))
-        return Snapshot(entries, target, type(target).__name__, copy)
+                entry(name, "buffer", b, False)
+        return record(type(target).__name__, target)
     if isinstance(target, Mapping):
         if names is not None:
             raise IsolationTypeError(
@@ -717,8 +743,8 @@ def snapshot(
             kind: Literal["parameter", "buffer"] = (
                 "parameter" if isinstance(t, nn.Parameter) else "buffer"
             )
-            entries.append(entry(name, kind, t, True))
-        return Snapshot(entries, None, f"{len(entries)} named tensors", copy)
+            entry(name, kind, t, True)
+        return record(f"{len(chosen)} named tensors", None)
     raise IsolationTypeError(
         f"{caller}: target must be a torch.nn.Module or a mapping of names to tensors, got "
         f"{type(target).__name__}; e.g. snapshot(model) or snapshot(dict(model.named_buffers()))"
