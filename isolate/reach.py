@@ -26,6 +26,7 @@ from torch.utils.checkpoint import CheckpointFunction
 from isolate._selectors import Selector, check_module, select
 from isolate.errors import BlindSpotError, CutOffError, IsolationTypeError
 from isolate.graph import Losses, _Walk, check_losses, walk
+from isolate.sharding import check_leaves
 
 __all__ = ["CutOff", "ForwardTrace", "assert_reached", "cut_off_parameters", "trace_forward"]
 
@@ -342,6 +343,7 @@ def _cut_off(
         )
     excused = _check_expected(model, expected_unused, caller)
     found = walk(outputs, caller, warn=False)
+    check_leaves(found, [model], caller)  # FSDP2 temporaries -> their parameters, or refuse
     named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
     missing = [(n, p) for n, p in named if id(p) not in found.leaves]
     if not missing:
