@@ -178,10 +178,12 @@ def _target(
     opt = optimizers[target]
     sources = sorted({gi for oi, gi in slots if oi == target})
     options: dict[str, Any] = {}
+    if len(sources) != 1 and g.thaw.align and g.thaw.lr is None:
+        sources = [0]  # align follows group 0 when the parameters came from no one group
     if len(sources) == 1:
         options = {k: v for k, v in opt.param_groups[sources[0]].items() if k != "params"}
     if g.thaw.lr is None:
-        if absent or len(sources) != 1:
+        if (absent and not g.thaw.align) or len(sources) != 1:
             detail = (
                 f"{shown(absent)} are in no optimizer group"
                 if absent

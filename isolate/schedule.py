@@ -303,10 +303,10 @@ def default_schedule(
 def to_yaml(schedule: Mapping[str, Any], header: str = "") -> str:
     """A schedule mapping as YAML, one thaw step per line (plain data only, no PyYAML needed).
 
-    >>> print(to_yaml({"freeze": ["a"], "thaw": [{"select": "a", "epoch": 1}]}), end="")
+    >>> print(to_yaml({"freeze": ["a"], "thaw": [{"select": "a", "epoch": 1, "lr": 1e-5}]}), end="")
     freeze: [a]
     thaw:
-      - {select: a, epoch: 1}
+      - {select: a, epoch: 1, lr: 1.0e-05}
     """
 
     def scalar(value: object) -> str:
@@ -319,6 +319,12 @@ def to_yaml(schedule: Mapping[str, Any], header: str = "") -> str:
             return "true" if value else "false"
         if isinstance(value, (list, tuple)):
             return "[" + ", ".join(scalar(v) for v in value) + "]"
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return {"inf": ".inf", "-inf": "-.inf"}.get(repr(value), ".nan")
+            mantissa, e, exponent = repr(value).partition("e")
+            if e and "." not in mantissa:  # PyYAML reads 1e-05 as a string, 1.0e-05 as a float
+                return f"{mantissa}.0e{exponent}"
         return repr(value)
 
     lines = [f"# {line}".rstrip() for line in header.splitlines()]

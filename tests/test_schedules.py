@@ -341,3 +341,21 @@ def test_schedule_command_runs_as_a_module() -> None:
     ).stdout
     thaw = yaml.safe_load(out)["thaw"]
     assert thaw[0] == {"select": "model.stage2", "monitor": "val_loss", "patience": 3}
+
+
+def test_align_follows_the_source_group_whatever_changes_it() -> None:
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    used: list[list[float]] = []
+    opt.register_step_post_hook(lambda o, *_: used.append([g["lr"] for g in o.param_groups]))
+    spec = IsolationSpec(freeze=["0"], thaw=[Thaw("0", step=1, align=True)])
+    with pytest.warns(UserWarning, match="took 2 frozen parameters out"):
+        handle = spec.apply(model, opt)
+    for step in range(4):
+        handle.step(epoch=0, step=step)
+        if step == 2:
+            opt.param_groups[0]["lr"] = 0.3  # by hand: a user's code, an lr finder
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    handle.restore()
+    assert used == [[0.1], [0.1, 0.1], [0.3, 0.3], [0.3, 0.3]]
