@@ -32,7 +32,7 @@ from isolate.plan import Names
 __all__ = ["CALLBACK_KEY", "plain_checkpoint", "plain_optimizer_state"]
 
 CALLBACK_KEY = "IsolationCallback"
-"""The key of IsolationCallback's its state in ``checkpoint["callbacks"]``."""
+"""The key of IsolationCallback's state in ``checkpoint["callbacks"]``."""
 
 _CALLER = "plain_optimizer_state()"
 
