@@ -2,10 +2,10 @@
 containers ``isolate`` can see into, and refuses the ones it cannot.
 
 Handled: tensors; tuples, lists and dicts; named tuples; other mappings and list/tuple
-subclasses that rebuild from their items; dataclass instances; and every type registered as
-a pytree node with ``torch.utils._pytree.register_pytree_node`` (``OrderedDict``,
-``defaultdict``, ``deque``, ``torch.return_types``, and the user's own). An object of any other
-type that holds tensors (in its ``__dict__``, its slots, or anything those hold) is refused
+subclasses that rebuild from their items; dataclass instances; ``types.SimpleNamespace``;
+and every type registered as a pytree node with ``torch.utils._pytree.register_pytree_node``
+(``OrderedDict``, ``defaultdict``, ``deque``, ``torch.return_types``, and the user's own). An
+object of any other type that holds tensors (in its ``__dict__``, its slots, or anything those hold) is refused
 with an :class:`~isolate.errors.IsolationTypeError`: its tensors would otherwise go through
 untouched, and a ``Detached`` branch would silently send gradient upstream through them.
 """
@@ -70,7 +70,7 @@ _FIX = (
 def is_container(obj: object) -> bool:
     """Whether ``obj`` is a structure :func:`map_tensors` looks into."""
     return (
-        isinstance(obj, (list, tuple, Mapping))
+        isinstance(obj, (list, tuple, Mapping, types.SimpleNamespace))
         or type(obj) in pytree.SUPPORTED_NODES
         or (dataclasses.is_dataclass(obj) and not isinstance(obj, type))
     )
@@ -133,6 +133,10 @@ def _map_other(fn: Callable[[torch.Tensor], Any], obj: Any, cls: type, caller: s
         return node.unflatten_fn([map_tensors(fn, c, caller) for c in children], context)
     if isinstance(obj, tuple) and pytree.is_namedtuple_class(cls):
         return cls(*[map_tensors(fn, item, caller) for item in obj])
+    if cls is types.SimpleNamespace:
+        return types.SimpleNamespace(
+            **{key: map_tensors(fn, value, caller) for key, value in vars(obj).items()}
+        )
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = [f.name for f in dataclasses.fields(obj)]
         _refuse_extra_attributes(obj, names, caller)
@@ -186,6 +190,9 @@ def iter_tensors(obj: Any, caller: str = "isolate") -> Iterator[torch.Tensor]:
                 yield from iter_tensors(item, caller)
         elif isinstance(obj, Mapping):
             for value in obj.values():
+                yield from iter_tensors(value, caller)
+        elif cls is types.SimpleNamespace:
+            for value in vars(obj).values():
                 yield from iter_tensors(value, caller)
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             names = [f.name for f in dataclasses.fields(obj)]

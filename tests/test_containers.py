@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -227,14 +228,23 @@ def test_standard_containers_keep_their_type() -> None:
         "dq": collections.deque([x * 4]),
         "max": torch.max(torch.stack([x, x * 2]), dim=0),
         "user": collections.UserDict(c=x * 5),
+        "ns": types.SimpleNamespace(d=x * 6, tag="t"),
         "size": torch.Size([2, 3]),
         "none": None,
     }
     out = isolate.stop_gradient(tree)
     assert {k: type(v) for k, v in out.items()} == {k: type(v) for k, v in tree.items()}
     assert out["dd"].default_factory is list and out["pair"].right == "tag"
-    leaves = [out["pair"].left, out["od"]["a"], out["dd"]["b"][0], out["dq"][0], out["user"]["c"]]
-    assert [t.tolist() for t in leaves] == [[k, k] for k in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    leaves = [
+        out["pair"].left,
+        out["od"]["a"],
+        out["dd"]["b"][0],
+        out["dq"][0],
+        out["user"]["c"],
+        out["ns"].d,
+    ]
+    assert [t.tolist() for t in leaves] == [[k, k] for k in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)]
+    assert out["ns"].tag == "t" and tree["ns"].d.requires_grad
     assert not any(t.requires_grad for t in [*leaves, out["max"].values])
     assert torch.equal(out["max"].indices, indices)
 
