@@ -4,10 +4,11 @@ containers ``isolate`` can see into, and refuses the ones it cannot.
 Handled: tensors; tuples, lists and dicts; named tuples; other mappings and list/tuple
 subclasses that rebuild from their items; dataclass instances; ``types.SimpleNamespace``;
 and every type registered as a pytree node with ``torch.utils._pytree.register_pytree_node``
-(``OrderedDict``, ``defaultdict``, ``deque``, ``torch.return_types``, and the user's own). An
-object of any other type that holds tensors (in its ``__dict__``, its slots, or anything those hold) is refused
-with an :class:`~isolate.errors.IsolationTypeError`: its tensors would otherwise go through
-untouched, and a ``Detached`` branch would silently send gradient upstream through them.
+(``OrderedDict``, ``defaultdict``, ``deque``, ``torch.return_types``, and the user's own).
+An object of any other type that holds tensors (in its ``__dict__``, its slots, or anything
+those hold) is refused with an :class:`~isolate.errors.IsolationTypeError`: its tensors would
+otherwise go through untouched, and a ``Detached`` branch would silently send gradient
+upstream through them.
 """
 
 from __future__ import annotations
