@@ -336,4 +336,3 @@ def _groups(pl_module: nn.Module) -> dict[str, list[str]]:
 def _seed() -> int | None:
     value = os.environ.get("PL_GLOBAL_SEED")
     return int(value) if value is not None else None
-
