@@ -64,6 +64,21 @@ class Wrapper(nn.Module):
         if _drop_module_infix not in self._load_state_dict_post_hooks.values():
             self.register_load_state_dict_post_hook(_drop_module_infix)  # type: ignore[no-untyped-call]
 
+    def __getattr__(self, name: str) -> Any:
+        # torch.distributed.checkpoint (Lightning's ModelParallelStrategy, FSDP2) finds each
+        # state_dict key's tensor by walking attributes, and the keys have no ``module.``
+        # infix: let the wrapped module's children, parameters and buffers be reached
+        # through the wrapper too. Only called when the normal lookup fails.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is not None and (
+                name in inner._modules or name in inner._parameters or name in inner._buffers
+            ):
+                return getattr(inner, name)
+            raise
+
     def unwrap(self) -> nn.Module:
         """Undo what the wrapper did to the module and return it."""
         refs = _wrapped.get(self.module, [])

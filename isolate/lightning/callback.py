@@ -20,7 +20,7 @@ from isolate.errors import (
     IsolationWarning,
     SpecError,
 )
-from isolate.lightning.ddp import check_trainer, rewrap
+from isolate.lightning.ddp import applies_at_fit_start, check_trainer, load_state_first, rewrap
 from isolate.lightning.metrics import grad_norms
 from isolate.spec import IsolationSpec, Thaw, ThawKeys, string_list
 
@@ -200,6 +200,8 @@ class IsolationCallback(Callback):
         self._restore()  # a fit that ended without teardown
         check_trainer(trainer, self, _CALLER)
         self._modes = [(m, m.training) for m in pl_module.modules()]
+        if applies_at_fit_start(trainer):  # FSDP2: configure_model replaces the parameters
+            return
         self.handle = IsolationHandle.apply(
             self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift
         )
@@ -235,6 +237,13 @@ class IsolationCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Take frozen parameters out of the optimizers and plan where thawed ones go."""
+        if self.handle is None and applies_at_fit_start(trainer):
+            # Resolved by name against the sharded module; a resume thaws what was thawed
+            # now, before the strategy loads the optimizer state into the param groups.
+            self.handle = IsolationHandle.apply(
+                self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift
+            )
+            load_state_first(trainer, self.state_key, self.load_state_dict, _CALLER)
         if self.handle is None:
             return
         try:
