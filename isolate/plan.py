@@ -257,9 +257,12 @@ def _groups(
         twice = [n for n, p in params.items() if id(p) in owner]
         if twice:
             first = owner[id(params[twice[0]])]
+            earlier = next(t for t in spec.thaw if t.name == first)
+            fix = [*thaw.selectors, *("!" + x for x in earlier.selectors if x[0] != "!")]
             raise SpecError(
                 f"{caller}: thaw groups {first!r} and {name!r} both select {shown(twice)}; a "
-                f"parameter can be thawed once: split the selectors"
+                f"parameter can be thawed once: take them out of one group with an "
+                f"exclusion, e.g. select: {fix} for {name!r}"
             )
         integral = [n for n, p in params.items() if not is_float(p)]
         if integral:

@@ -7,6 +7,7 @@ and run; and leaving isolate (weights into a plain model, resume without the cal
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -500,3 +501,47 @@ def test_fts_converter_command(tmp_path: Path, capsys: pytest.CaptureFixture[str
         Thaw(["model.pooler.*"], name="phase_1", lr=1e-5, monitor="val_loss", patience=5),
     )
     assert math.isclose(spec.thaw[0].lr or 0, 1e-5)
+
+
+def test_lightning_cli_parses_the_new_selectors_and_thaw_fields(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from _lightning_models import Net, loader
+    from pytorch_lightning.cli import LightningCLI
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+        trainer:
+          default_root_dir: {tmp_path}
+          accelerator: cpu
+          max_epochs: 4
+          logger: false
+          enable_checkpointing: false
+          enable_progress_bar: false
+          enable_model_summary: false
+          callbacks:
+            - class_path: isolate.lightning.IsolationCallback
+              init_args:
+                freeze: [trunk, "!trunk/type:_BatchNorm"]
+                thaw:
+                  - {{select: trunk.0, epoch: 1, warmup_ratio: 0.5, warmup_steps: 2, align: true}}
+                  - {{select: [trunk, "!trunk.0"], monitor: val_loss, patience: 1, min_delta: 0.5,
+                     lr: 0.01}}
+        """
+    )
+    cli = LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
+    callback = next(c for c in cli.trainer.callbacks if isinstance(c, IsolationCallback))
+    assert callback.freeze == ("trunk", "!trunk/type:_BatchNorm")
+    assert callback.thaw == (
+        Thaw("trunk.0", epoch=1, warmup_ratio=0.5, warmup_steps=2, align=True),
+        Thaw(["trunk", "!trunk.0"], monitor="val_loss", patience=1, min_delta=0.5, lr=0.01),
+    )
+    cli.trainer.fit(cli.model, loader(), loader())
+    # The second phase watches from the first check after trunk.0 thawed (end of epoch 1); the
+    # loss does not drop by 0.5 at the next check (end of epoch 2), so it thaws at epoch 3.
+    assert callback.state_dict()["thawed"] == [
+        {"name": "trunk.0", "epoch": 1, "global_step": 4},
+        {"name": "trunk+!trunk.0", "epoch": 3, "global_step": 12},
+    ]
