@@ -5,7 +5,8 @@ Run ``python -m experiments.bench`` (``--quick`` for small sizes). Results are p
 Markdown table and written to ``outputs/bench/bench.json`` and ``outputs/bench/bench.md``.
 The ``scale`` section (``--only scale``) measures the checks on a large model; its size is set
 by ``--scale-layers/--scale-width`` (default: 24 encoder layers of width 1024, 302M
-parameters, 1.2 GB in fp32, about two minutes on two cores).
+parameters, 1.2 GB in fp32; about 7 minutes on two cores shared with other jobs, peak resident
+memory about 4 GB).
 
 Every row states its target as a limit on one number (``metric``, the ratio unless said
 otherwise), and ``ok`` is that limit applied to the number written next to it.
