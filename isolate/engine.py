@@ -30,7 +30,7 @@ from isolate.freezing import FreezeHandle
 from isolate.optimizers import OptimizerLink, Optimizers, as_optimizers, place
 from isolate.plan import Plan, resolve, shown
 from isolate.schedule import Clock, Phases
-from isolate.sharding import settle
+from isolate.sharding import check_wrappers, settle
 from isolate.spec import IsolationSpec
 from isolate.state import FORMAT, check_state, plain
 
@@ -107,7 +107,9 @@ class IsolationHandle:
         if not isinstance(spec, IsolationSpec):
             raise IsolationTypeError(f"{caller}: spec must be an IsolationSpec, got {type(spec)}")
         settle(model)  # FSDP2: resolve and flip the sharded parameters, not temporaries
+        check_wrappers(model, {}, caller, warn)  # FSDP1 flat parameters: refuse first
         plan = resolve(spec, model, caller)
+        check_wrappers(model, plan.frozen, caller, warn)  # FSDP1 mixed units: warn
         optimizers = as_optimizers(optimizer, caller)
         if optimizers:
             place(plan, optimizers, set(), caller)  # only to refuse before anything changes

@@ -16,19 +16,20 @@ be sharded before FSDP is imported.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
 
-from isolate.errors import ShardedGraphError
+from isolate.errors import ShardedGraphError, UnsupportedStrategyError
 
 __all__ = [
     "ShardedView",
     "canonical_parameters",
     "check_leaves",
+    "check_wrappers",
     "graph_inputs",
     "is_flat_parameter",
     "roots_of",
@@ -370,3 +371,60 @@ def _names(names: Sequence[str]) -> str:
     listed = list(names)
     head = ", ".join(repr(n) for n in listed[:6])
     return f"[{head}{f', ... and {len(listed) - 6} more' if len(listed) > 6 else ''}]"
+
+
+def _fsdp1_handles(model: nn.Module) -> Iterator[tuple[nn.Module, Any]]:
+    if _FSDP2 not in sys.modules:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for module in model.modules():
+        if isinstance(module, FullyShardedDataParallel):
+            handle = getattr(module, "_handle", None)
+            if handle is not None and getattr(handle, "flat_param", None) is not None:
+                yield module, handle
+
+
+def check_wrappers(
+    model: nn.Module,
+    frozen: Mapping[str, torch.Tensor],
+    caller: str,
+    warn: Callable[[str], None],
+) -> None:
+    """Refuse FSDP1 units a spec cannot work with, and warn where freezing saves no memory.
+
+    Raises:
+        UnsupportedStrategyError: ``model`` holds ``FullyShardedDataParallel`` units built
+            with ``use_orig_params=False``: each registers one ``FlatParameter`` with one
+            ``requires_grad``, so part of a unit cannot be frozen (FSDP itself refuses units
+            with mixed flags, pytorch/pytorch#104690).
+    """
+    if not isinstance(model, nn.Module):
+        return  # the caller's own type check speaks
+    mixed: list[str] = []
+    ids = {id(p) for p in frozen.values()}
+    for unit, handle in _fsdp1_handles(model):
+        flat = handle.flat_param
+        originals = getattr(flat, "_params", None)
+        if not getattr(handle, "_use_orig_params", False) or originals is None:
+            raise UnsupportedStrategyError(
+                f"{caller}: the model holds FullyShardedDataParallel units built with "
+                f"use_orig_params=False ({type(unit).__name__} over "
+                f"{_names(list(getattr(flat, '_fqns', ())))}): each unit is one "
+                f"FlatParameter with a single requires_grad, so the spec cannot freeze part "
+                f"of it, and FSDP refuses units that mix frozen and trainable parameters "
+                f"(pytorch/pytorch#104690). Wrap with FullyShardedDataParallel(..., "
+                f"use_orig_params=True), or shard with torch.distributed.fsdp.fully_shard"
+            )
+        states = {id(p) in ids for p in originals}
+        if len(states) == 2:
+            mixed.extend(getattr(flat, "_fqns", ()))
+    if mixed:
+        warn(
+            f"{caller}: FSDP1 units mix frozen and trainable parameters "
+            f"({_names(mixed)}); FSDP1 keeps one flat gradient per unit, so the frozen "
+            f"parameters' gradients are still computed and their memory is not saved. Wrap "
+            f"frozen modules in units of their own (auto_wrap_policy, or nested "
+            f"FullyShardedDataParallel), or shard with fully_shard (FSDP2), which keeps "
+            f"gradients per parameter"
+        )

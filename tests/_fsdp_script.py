@@ -277,7 +277,74 @@ def hsdp() -> dict[str, Any]:
     return out
 
 
-MODES: dict[str, Callable[[], dict[str, Any]]] = {"audits": audits, "engine": engine, "hsdp": hsdp}
+def fsdp1() -> dict[str, Any]:
+    """FSDP1 wrapped by hand on the CPU: a mixed unit warns, a thaw inside it matches the
+    unsharded reference, audits refuse the flat leaves; use_orig_params=False is refused."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out: dict[str, Any] = {}
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    wrapped = FSDP(model, device_id=cpu, use_orig_params=True)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    spec = isolate.IsolationSpec(
+        freeze=["_fsdp_wrapped_module.0"],
+        thaw=[isolate.Thaw("_fsdp_wrapped_module.0", step=1)],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", isolate.IsolationWarning)
+        handle = spec.apply(wrapped, optimizer=opt)
+    out["warnings"] = [str(w.message) for w in caught if "FSDP1" in str(w.message)]
+    ref[0].requires_grad_(False)
+    ref_opt = torch.optim.SGD(
+        [p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9
+    )
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    for step in range(3):
+        handle.step(epoch=0, step=step)
+        if step == 1:
+            ref[0].requires_grad_(True)
+            ref_opt.add_param_group({"params": list(ref[0].parameters())})
+        x = xs[dist.get_rank()]
+        loss = wrapped(x).sum()
+        out.setdefault(
+            "audit", raises(lambda loss=loss: isolate.reachable_parameters(loss, wrapped))
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        (sum(ref(xx).sum() for xx in xs) / 2).backward()  # FSDP averages over the 2 ranks
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with FSDP.summon_full_params(wrapped):
+        got = {
+            n.removeprefix("_fsdp_wrapped_module."): p.detach().clone()
+            for n, p in wrapped.named_parameters()
+        }
+    out["matches_reference"] = {
+        n: bool(torch.allclose(got[n], p.detach(), atol=1e-6)) for n, p in ref.named_parameters()
+    }
+    handle.restore()
+    wrapped.zero_grad()
+    flat = FSDP(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        device_id=cpu,
+        use_orig_params=False,
+    )
+    out["orig_params_false"] = raises(lambda: isolate.IsolationSpec(freeze=["0"]).apply(flat))
+    return out
+
+
+MODES: dict[str, Callable[[], dict[str, Any]]] = {
+    "audits": audits,
+    "engine": engine,
+    "hsdp": hsdp,
+    "fsdp1": fsdp1,
+}
 
 
 def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:

@@ -289,3 +289,70 @@ def test_resume_from_a_distributed_checkpoint_is_exact(
         assert resumed["state"] == full["state"]  # not frozen again
         assert resumed["prints"][0] == full["prints"][2]
         assert resumed["prints"][-1] == full["prints"][-1]  # bitwise, after epoch 2
+
+
+@pytest.fixture(scope="module")
+def fsdp1(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run("fsdp1", tmp_path_factory.mktemp("fsdp1"))
+
+
+@pytest.mark.slow
+def test_fsdp1_by_hand_on_the_cpu(fsdp1: list[dict[str, Any]]) -> None:
+    for rank in fsdp1:
+        # one unit holds the frozen layer and the trainable one: warned, memory not saved
+        assert len(rank["warnings"]) == 1
+        assert rank["warnings"][0].startswith("IsolationSpec: FSDP1 units mix frozen and")
+        assert "memory is not saved" in rank["warnings"][0]
+        # frozen for step 0, thawed at step 1, under SGD momentum: every parameter equals
+        # the unsharded reference trained the same way on both ranks' batches
+        assert rank["matches_reference"] == dict.fromkeys(
+            ["0.weight", "0.bias", "2.weight", "2.bias"], True
+        )
+        assert rank["audit"].startswith(
+            "ShardedGraphError: reachable_parameters(): the graph's leaves include 1 FSDP1 "
+            "FlatParameter(s)"
+        )
+        assert rank["orig_params_false"].startswith(
+            "UnsupportedStrategyError: IsolationSpec: the model holds FullyShardedDataParallel "
+            "units built with use_orig_params=False"
+        )
+        assert "use_orig_params=True" in rank["orig_params_false"]
+
+
+def _fake_trainer(strategy: object, callback: object) -> Any:
+    import types
+
+    return types.SimpleNamespace(callbacks=[callback], strategy=strategy)
+
+
+def test_deepspeed_is_refused_naming_the_reason() -> None:
+    from pytorch_lightning.strategies import DeepSpeedStrategy
+
+    from isolate.errors import UnsupportedStrategyError
+    from isolate.lightning import IsolationCallback
+    from isolate.lightning.ddp import check_trainer
+
+    callback = IsolationCallback(freeze=["trunk"])
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # deepspeed is not installed
+    with pytest.raises(
+        UnsupportedStrategyError, match=r"^IsolationCallback: the DeepSpeedStrategy is not"
+    ) as raised:
+        check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
+    assert "microsoft/DeepSpeed#5639" in str(raised.value)
+    assert "ModelParallelStrategy" in str(raised.value)
+
+
+def test_fsdp_strategy_without_orig_params_is_refused() -> None:
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    from isolate.errors import UnsupportedStrategyError
+    from isolate.lightning import IsolationCallback
+    from isolate.lightning.ddp import check_trainer
+
+    callback = IsolationCallback(freeze=["trunk"])
+    strategy = FSDPStrategy.__new__(FSDPStrategy)
+    strategy.kwargs = {"use_orig_params": False}
+    with pytest.raises(UnsupportedStrategyError, match=r"use_orig_params=False\) flattens"):
+        check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
+    strategy.kwargs = {"use_orig_params": True}
+    check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
