@@ -334,6 +334,11 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
             )
         removed |= ids
     chosen -= removed
+    if not tree.ids:
+        raise SelectorError(
+            f"{caller}: {describe(model)} has no parameters, so there is nothing to select; "
+            f"pass the module that holds them"
+        )
     if not chosen:
         raise SelectorError(
             f"{caller}: the exclusions {[_NOT + b for b in excluded]} take out everything "

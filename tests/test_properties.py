@@ -117,11 +117,6 @@ def expected_selection(model: nn.Module, selectors: tuple[str, ...]) -> Expected
     return Expected(picked, norms)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: on a model without parameters, freeze() blames exclusions that were not given",
-)
 def test_freezing_a_model_without_parameters_names_the_problem() -> None:
     model = nn.Sequential(nn.ReLU(), nn.BatchNorm1d(2, affine=False))
     with pytest.raises(SelectorError, match=r"^freeze\(\): ") as info:
