@@ -21,6 +21,10 @@ kind               claim (parameters)
 ``spread``         the final per-channel std of SimSiam's ``z/|z|`` stays above ``factor``
                    times ``1/sqrt(dim)``
 ``collapses``      the final std is below ``factor`` times the ``versus`` run's
+``cut_off``        the trainable parameters that the loss backpropagated cannot reach at the
+                   first step (``isolate.cut_off_parameters``) are exactly ``expect`` (a list
+                   of names), and they still hold their first-step values at the end; or
+                   ``expect: none``: every trainable parameter is reached
 =================  ==========================================================================
 
 A run that should finish and did not gets one failed check, "the run finishes", instead of
@@ -232,6 +236,52 @@ def _collapses(
     ]
 
 
+def _cut_off(
+    name: str, record: Record, ctx: _Context, *, expect: str | Sequence[str]
+) -> list[Check]:
+    cut = record.get("cut_off")
+    found = list((cut or {}).get("parameters") or {})
+    unseen = list((cut or {}).get("unseen") or [])
+    if cut is None:
+        observed = "not audited"
+    elif found or unseen:
+        observed = ", ".join(found) + (f"; cannot be seen: {', '.join(unseen)}" if unseen else "")
+    else:
+        observed = f"none of {cut.get('trainable')} trainable"
+    if expect == "none":
+        return [
+            check(
+                name,
+                "no trainable parameter is cut off from the loss at step 0 (graph audit)",
+                "none",
+                observed,
+                cut is not None and not found and not unseen,
+            )
+        ]
+    if isinstance(expect, str) or not expect or not all(isinstance(e, str) for e in expect):
+        raise ValueError(f"cut_off: expect={expect!r} must be 'none' or a list of parameter names")
+    changed = (cut or {}).get("changed")
+    return [
+        check(
+            name,
+            "exactly these parameters are cut off from the loss at step 0 (graph audit)",
+            ", ".join(expect),
+            observed,
+            cut is not None and not unseen and sorted(found) == sorted(expect),
+        ),
+        check(
+            name,
+            "the cut-off parameters keep their step-0 values to the end",
+            f"{len(expect)} of {len(expect)} bitwise unchanged",
+            "n/a"
+            if changed is None
+            else f"{len(found) - len(changed)} of {len(found)} bitwise unchanged"
+            + (f"; changed: {', '.join(changed)}" if changed else ""),
+            changed is not None and bool(found) and not changed,
+        ),
+    ]
+
+
 CLAIMS: dict[str, Callable[..., list[Check]]] = {
     "reaches": _reaches,
     "gradient_equal": _gradient_equal,
@@ -242,6 +292,7 @@ CLAIMS: dict[str, Callable[..., list[Check]]] = {
     "moves": _moves,
     "spread": _spread,
     "collapses": _collapses,
+    "cut_off": _cut_off,
 }
 
 

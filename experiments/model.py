@@ -64,6 +64,12 @@ class Branch:
         weight: factor of the branch's loss in the trained objective.
         alpha: the gradient factor of ``connect="reversal"``.
         seed: seeds the branch's initialisation and its random stream.
+        detach_early: with ``connect="detached"`` (or ``"detached_copy"``), how many trunk
+            layers too early the branch's ``Detached`` sits: ``0`` wraps the branch, at the
+            trunk's output, as intended; ``k > 0`` wraps the trunk's ``k``-th layer from the
+            end instead, which the main head reads through too. The branch then reads the
+            features plainly and trains those ``k`` layers, and no loss reaches the trunk's
+            layers before them: the mistake ``configs/detached_early.yaml`` shows.
     """
 
     name: str = "probe"
@@ -74,6 +80,7 @@ class Branch:
     weight: float = 1.0
     alpha: float = -1.0
     seed: int = 1
+    detach_early: int = 0
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the field if the branch cannot be built."""
@@ -93,6 +100,15 @@ class Branch:
         if not (math.isfinite(self.weight) and math.isfinite(self.alpha)):
             raise ValueError(
                 f"{where}: weight={self.weight} and alpha={self.alpha} must be finite numbers"
+            )
+        if isinstance(self.detach_early, bool) or not isinstance(self.detach_early, int):
+            raise ValueError(f"{where}: detach_early={self.detach_early!r} must be an integer")
+        if self.detach_early < 0 or (
+            self.detach_early and self.connect not in ("detached", "detached_copy")
+        ):
+            raise ValueError(
+                f"{where}: detach_early={self.detach_early} needs connect='detached' or "
+                f"'detached_copy' and a count of trunk layers >= 0; got connect={self.connect!r}"
             )
 
     @property
@@ -132,7 +148,7 @@ def _branch_module(spec: Branch, features: int) -> nn.Module:
         layers.append(nn.Dropout(spec.dropout))
     layers.append(nn.Linear(features, spec.num_classes))
     net = nn.Sequential(*layers)
-    if spec.connect == "attached":
+    if spec.connect == "attached" or spec.detach_early:  # its Detached sits in the trunk
         return net
     if spec.connect == "detached":
         return isolate.Detached(net, name=spec.name)
@@ -141,6 +157,18 @@ def _branch_module(spec: Branch, features: int) -> nn.Module:
     if spec.connect == "cloned":
         return isolate.Cloned(net)
     return nn.Sequential(isolate.GradientScale(spec.alpha), net)
+
+
+def _misplace_detach(trunk: nn.Sequential, spec: Branch) -> None:
+    """Wrap the trunk's ``spec.detach_early``-th layer from the end in the branch's Detached."""
+    if not 1 <= spec.detach_early <= len(trunk):
+        raise ValueError(
+            f"Branch(name={spec.name!r}): detach_early={spec.detach_early} must be at most the "
+            f"trunk's {len(trunk)} layers"
+        )
+    index = len(trunk) - spec.detach_early
+    inplace = "copy" if spec.connect == "detached_copy" else "error"
+    trunk[index] = isolate.Detached(trunk[index], inplace=inplace, name=spec.name)
 
 
 def branch_target(spec: Branch, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -207,6 +235,12 @@ class IsolationNet(pl.LightningModule):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"IsolationNet: branch names must be unique; repeated: {duplicates}")
+        early = [spec.name for spec in specs if spec.detach_early]
+        if len(early) > 1:
+            raise ValueError(
+                f"IsolationNet: one branch at most may set detach_early (it moves the branch's "
+                f"Detached into the trunk); set by {early}"
+            )
         # Hyperparameters are saved as plain types, so checkpoints load with weights_only=True.
         branches = [asdict(spec) for spec in specs]
         channels = list(channels)
@@ -218,6 +252,9 @@ class IsolationNet(pl.LightningModule):
         # The main network is built first from the global stream, as in a run without branches.
         self.trunk = make_trunk(channels, features)
         self.head = nn.Sequential(nn.ReLU(), nn.Dropout(dropout), nn.Linear(features, 10))
+        for spec in branches:
+            if spec.detach_early:
+                _misplace_detach(self.trunk, spec)
         self.branches = nn.ModuleDict()
         self._branch_rng: dict[str, torch.Tensor] = {}
         for spec in branches:

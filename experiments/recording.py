@@ -7,7 +7,12 @@ numbers come out of an in-process run and of a run under DDP in subprocesses:
   over processes under DDP), saved as a reference or compared with a reference run's;
 * per step, how far the trunk (parameters *and* buffers, BatchNorm statistics included) has
   drifted from where it started;
-* at the first step, which parameters each loss can reach (:func:`reachable_parameters`);
+* at the first step, which parameters each loss can reach (:func:`reachable_parameters`),
+  which trainable parameters the loss backpropagated cannot reach, and why
+  (:func:`isolate.cut_off_parameters` over a forward run inside :func:`isolate.trace_forward`),
+  and where each named loss sends its gradient, per parameter group
+  (:func:`isolate.gradient_report`, drawn by the report);
+* at the end, whether the parameters cut off at the first step still hold their values;
 * the metrics the module logs (the logger has them too), and the accuracies that
   ``trainer.test`` measures on the test split after ``fit``;
 * an exception that stopped the run, by type and message.
@@ -19,6 +24,7 @@ and again, with the test accuracies, at the end of ``trainer.test``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -30,7 +36,7 @@ import torch
 from torch import nn
 
 from experiments.formats import jsonable
-from isolate import reachable_parameters
+from isolate import cut_off_parameters, gradient_report, reachable_parameters, trace_forward
 from isolate.drift import max_abs_diff, snapshot
 
 __all__ = ["RUN_FILE", "Recorder", "load_run"]
@@ -85,6 +91,9 @@ class Recorder(pl.Callback):
         self._reference: torch.Tensor | None = None
         self._start = 0.0
         self._audited = False
+        self._tracing = contextlib.ExitStack()
+        self._trace: Any = None
+        self._cut_at_start: dict[str, torch.Tensor] = {}
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -108,6 +117,7 @@ class Recorder(pl.Callback):
         self._start = time.perf_counter()
         self._audited = False
         self._grads = []
+        self._cut_at_start = {}
         trunk = self._trunk(pl_module)
         self._snapshot = snapshot(trunk) if trunk is not None else None
         self._names = _kinds(trunk) if trunk is not None else {}
@@ -143,14 +153,28 @@ class Recorder(pl.Callback):
                 "split": getattr(datamodule, "split_info", {}),
             }
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # The first forward runs traced, so a cut-off parameter comes with its reason; the
+        # hooks come off right after (on_before_backward), or when the step fails.
+        if not self._audited and self._trace is None:
+            self._trace = self._tracing.enter_context(trace_forward(pl_module))
+
+    def _stop_trace(self) -> Any:
+        trace, self._trace = self._trace, None
+        self._tracing.close()
+        return trace
+
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         if self._audited:
             return
         self._audited = True
-        losses: dict[str, torch.Tensor] = dict(getattr(pl_module, "losses", {}) or {})
-        losses["total"] = loss
+        trace = self._stop_trace()
+        named: dict[str, torch.Tensor] = dict(getattr(pl_module, "losses", {}) or {})
+        losses = {**named, "total": loss}
         groups = _groups(pl_module)
         audit = {}
         for name, value in losses.items():
@@ -160,6 +184,22 @@ class Recorder(pl.Callback):
                 for group, members in groups.items()
             }
         self.record["audit"] = audit
+        # The loss backpropagated: what it cannot reach gets no gradient at all.
+        cut = cut_off_parameters(loss, pl_module, trace=trace)
+        self.record["cut_off"] = {
+            "step": trainer.global_step,
+            "trainable": cut.trainable,
+            "parameters": dict(cut.parameters),
+            "unseen": list(cut.unseen),
+        }
+        self._cut_at_start = {
+            name: p.detach().clone()
+            for name, p in pl_module.named_parameters()
+            if name in cut.parameters
+        }
+        if named:
+            where = _figure_groups(pl_module, self.trunk_attr, groups)
+            self.record["gradients"] = gradient_report(named, pl_module, groups=where).to_dict()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trunk = self._trunk(pl_module)
@@ -236,6 +276,7 @@ class Recorder(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self._stop_trace()  # a first step that failed before backward
         if not self.record:
             return
         self.record["status"] = "error"
@@ -245,7 +286,15 @@ class Recorder(pl.Callback):
     # -- the end ----------------------------------------------------------------------------
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_trace()
         record = self.record
+        if "cut_off" in record:
+            now = dict(pl_module.named_parameters())
+            record["cut_off"]["changed"] = [
+                name
+                for name, start in self._cut_at_start.items()
+                if not torch.equal(start, now[name].detach())
+            ]
         record["seconds"] = time.perf_counter() - self._start
         record["steps"] = trainer.global_step
         if self._snapshot is not None:
@@ -331,6 +380,23 @@ def _groups(pl_module: nn.Module) -> dict[str, list[str]]:
         key = f"{head}.{rest.partition('.')[0]}" if head == "branches" else head
         groups.setdefault(key, []).append(name)
     return groups
+
+
+def _figure_groups(
+    pl_module: nn.Module, trunk: str, groups: dict[str, list[str]]
+) -> dict[str, str]:
+    """The groups of the gradient figure: those of the audit, the trunk's split into its
+    layers that hold parameters, so that a layer no loss reaches shows as one."""
+    where: dict[str, str] = {}
+    for group in groups:
+        module = getattr(pl_module, group, None) if group == trunk else None
+        if isinstance(module, nn.Module):
+            for name, child in module.named_children():
+                if any(True for _ in child.parameters()):
+                    where[f"{group}.{name}"] = f"{group}.{name}"
+        else:
+            where[group] = group
+    return where
 
 
 def _seed() -> int | None:

@@ -15,6 +15,13 @@ kind            what it shows (parameters)
                 a detached ``probe``'s on the same features, and the probe's in the run
                 ``without`` reversal
 ``collapse``    the spread of SimSiam's output and the kNN accuracy (``collapse.png``)
+``cut_off``     the trainable parameters that the loss backpropagated cannot reach at the
+                first step, each with the reason the forward's trace gives, whether they
+                still hold their first-step values at the end, and the main test accuracy
+``gradient_shares``  where each named loss sends its gradient at the first step: the share of
+                its squared norm per parameter group, the trunk (``part``, default
+                ``trunk``) split into its layers, with the cut-off parameters counted per
+                group (``GradientReport.figure``, ``gradient_shares_<run>.png``)
 ==============  ==============================================================================
 """
 
@@ -268,11 +275,157 @@ def _collapse(entries: Sequence[Entry], results: dict[str, Any], output: Path) -
     return [*lines, "![collapse](collapse.png)", ""]
 
 
+# --------------------------------------------------------------------------------------------
+# cut_off
+
+
+def _cut_off(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    runs = results["runs"]
+    audited = {name: runs[name] for name, _ in entries if (runs.get(name) or {}).get("cut_off")}
+    if not audited:
+        return []
+    rows, reasons = [], []
+    for name, record in audited.items():
+        cut = record["cut_off"]
+        found, changed = list(cut["parameters"]), cut.get("changed")
+        unchanged = "n/a" if changed is None else f"{len(found) - len(changed)} of {len(found)}"
+        rows.append(
+            [
+                name,
+                cut["trainable"],
+                ", ".join(found) or "none",
+                unchanged if found else "",
+                fmt((record.get("test") or {}).get("acc/main"), ".3f"),
+            ]
+        )
+        by_reason: dict[str, list[str]] = {}
+        for parameter, reason in cut["parameters"].items():
+            by_reason.setdefault(reason, []).append(parameter)
+        reasons += [[name, ", ".join(names), why] for why, names in by_reason.items()]
+        if cut.get("unseen"):
+            reasons.append(
+                [name, ", ".join(cut["unseen"]), "cannot be seen (reentrant checkpoint)"]
+            )
+    header = [
+        "run",
+        "trainable parameters",
+        "cut off at step 0",
+        "of those, bitwise unchanged at the end",
+        "main test acc",
+    ]
+    lines = [
+        "## Parameters cut off from the loss (first step)",
+        "",
+        "`isolate.cut_off_parameters(loss, model, trace=trace)` walks the graph of the loss "
+        "the first step backpropagates (the main loss plus every branch's), its forward run "
+        "inside `isolate.trace_forward(model)`. A trainable parameter it cannot reach gets no "
+        "gradient at all and keeps its value, however normal the run looks; the trace tells "
+        "why. The suite compares each one at the end with its value at the first step, bit "
+        "for bit.",
+        "",
+        table(header, rows),
+        "",
+    ]
+    if reasons:
+        lines += [table(["run", "parameters", "why (isolate's words)"], reasons), ""]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# gradient_shares
+
+
+def gradient_report_of(data: dict[str, Any]) -> Any:
+    """The :class:`isolate.GradientReport` whose ``to_dict()`` is ``data`` (from run.json)."""
+    from isolate import GradientReport, GroupStats
+
+    def stats(name: str, d: dict[str, Any]) -> GroupStats:
+        return GroupStats(
+            name=name,
+            parameters=tuple(d["parameters"]),
+            numel=d["numel"],
+            norms=d["norm"],
+            shares=d["share"],
+            cosines={tuple(k.split("|", 1)): v for k, v in d["cosine"].items()},  # type: ignore[misc]
+            frozen=tuple(d["frozen"]),
+            frozen_numel=d["frozen_numel"],
+        )
+
+    return GradientReport(
+        losses=tuple(data["losses"]),
+        groups={name: stats(name, d) for name, d in data["groups"].items()},
+        total=stats("total", data["total"]),
+    )
+
+
+def _cut_off_of(record: dict[str, Any]) -> Any:
+    from isolate import CutOff
+
+    cut = record.get("cut_off")
+    if cut is None:
+        return None
+    return CutOff(
+        parameters=dict(cut["parameters"]),
+        unseen=tuple(cut.get("unseen") or ()),
+        trainable=int(cut["trainable"]),
+    )
+
+
+def _gradient_shares(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    runs = results["runs"]
+    drawn = {name: runs[name] for name, _ in entries if (runs.get(name) or {}).get("gradients")}
+    if not drawn:
+        return []
+    lines = [
+        "## Where each loss sends its gradient (first step)",
+        "",
+        "`isolate.gradient_report(losses, model, groups=...)` at the first step, drawn by "
+        "`GradientReport.figure(cut_off=...)`: each cell is the share of the loss's squared "
+        "gradient norm that falls in the group (grey: no path from the loss), the trunk split "
+        "into its layers; the last row counts the group's parameters that no loss reaches. "
+        "The table sums each loss's share over the trunk's layers.",
+        "",
+    ]
+    rows: list[list[Any]] = []
+    images: list[str] = []
+    for name, params in entries:
+        record = drawn.get(name)
+        if record is None:
+            continue
+        part = str(params.get("part", "trunk"))
+        report = gradient_report_of(record["gradients"])
+        layers = [s for g, s in report.groups.items() if g.split(".")[0] == part]
+        for loss in report.losses:
+            reached = [s.name for s in report.groups.values() if s.norms[loss] is not None]
+            hit = sum(s.norms[loss] is not None for s in layers)
+            share = sum(s.shares[loss] or 0.0 for s in layers)
+            rows.append(
+                [
+                    name,
+                    loss,
+                    f"{100 * share:.1f}%" if hit else "no path",
+                    f"{hit} of {len(layers)}",
+                    ", ".join(reached) or "none",
+                ]
+            )
+        fig = report.figure(cut_off=_cut_off_of(record))
+        fig.suptitle(f"{name}: gradient share per loss and group, first step", fontsize=10)
+        for label in fig.axes[0].get_xticklabels():  # long branch names would overlap
+            label.set(rotation=20, horizontalalignment="right")
+        file = f"gradient_shares_{name}.png"
+        fig.savefig(output / file, dpi=110)
+        images += [f"![{name}: gradient share per group]({file})", ""]
+    header = ["run", "loss", "share in the trunk", "trunk layers reached", "groups reached"]
+    return [*lines, table(header, rows), "", *images]
+
+
 SECTIONS: dict[str, Section] = {
     "drift": _drift,
     "error": _error,
     "adversary": _adversary,
     "collapse": _collapse,
+    "cut_off": _cut_off,
+    "gradient_shares": _gradient_shares,
 }
 
 
