@@ -42,9 +42,7 @@ _EXTRA = (
 
 
 def _number(value: object) -> bool:
-    return (
-        not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    )
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _check_ramp(thaw: Thaw, where: str) -> None:
@@ -525,7 +523,13 @@ class IsolationSpec:
             parts.append(f"frozen_in_optimizer={self.frozen_in_optimizer!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
-    def apply(self, model: nn.Module, optimizer: Optimizers = None) -> IsolationHandle:
+    def apply(
+        self,
+        model: nn.Module,
+        optimizer: Optimizers = None,
+        *,
+        drift: Literal["fingerprint", "copy"] = "fingerprint",
+    ) -> IsolationHandle:
         """Check the whole spec against ``model``, then freeze, hold and wrap.
 
         Args:
@@ -533,6 +537,10 @@ class IsolationSpec:
             optimizer: an optimizer (or a list of them) to take the frozen parameters out of,
                 and for thawed groups to join; it can also be attached later with
                 :meth:`~isolate.engine.IsolationHandle.attach`.
+            drift: how ``verify`` checks that frozen tensors stay put: ``"fingerprint"``
+                keeps a 128-bit fingerprint of each (O(number of tensors) memory; any changed
+                bit is caught, its size is not known), ``"copy"`` a copy in host memory (the
+                size of a change is reported; costs the size of the frozen part).
 
         Returns:
             An :class:`~isolate.engine.IsolationHandle`: ``thaw``, ``step``, ``verify``,
@@ -545,10 +553,16 @@ class IsolationSpec:
         """
         from isolate.engine import IsolationHandle  # the engine imports this module
 
-        return IsolationHandle.apply(self, model, optimizer)
+        return IsolationHandle.apply(self, model, optimizer, drift=drift)
 
     @contextlib.contextmanager
-    def applied(self, model: nn.Module, optimizer: Optimizers = None) -> Iterator[IsolationHandle]:
+    def applied(
+        self,
+        model: nn.Module,
+        optimizer: Optimizers = None,
+        *,
+        drift: Literal["fingerprint", "copy"] = "fingerprint",
+    ) -> Iterator[IsolationHandle]:
         """:meth:`apply` as a context manager: restored on exit, exceptions included.
 
         >>> import torch
@@ -560,7 +574,7 @@ class IsolationSpec:
         >>> model[0].weight.requires_grad
         True
         """
-        handle = self.apply(model, optimizer)
+        handle = self.apply(model, optimizer, drift=drift)
         try:
             yield handle
         finally:
