@@ -29,10 +29,11 @@ from isolate.errors import (
 from isolate.freezing import FreezeHandle
 from isolate.optimizers import OptimizerLink, Optimizers, as_optimizers, place
 from isolate.plan import Plan, resolve, shown
-from isolate.schedule import Clock, Phases
+from isolate.schedule import Clock
 from isolate.sharding import check_wrappers, settle
 from isolate.spec import IsolationSpec
 from isolate.state import FORMAT, check_state, plain
+from isolate.thawing import Thaws
 
 __all__ = ["CHECKS", "IsolationHandle", "Optimizers"]
 
@@ -82,11 +83,9 @@ class IsolationHandle:
         self._caller = caller
         self._warn = warn
         self._freeze: FreezeHandle | None = None
-        self._thaws: dict[str, FreezeHandle] = {}
-        self._thawed: dict[str, dict[str, int]] = {}  # group -> {"epoch", "global_step"}, in order
         self._branches = Branches()
         self._link = OptimizerLink(caller, warn, self._clock)
-        self._phases = Phases(plan.spec.thaw)
+        self._thaws = Thaws(plan, self._link, caller)
         self.drift: Literal["fingerprint", "copy"] = "fingerprint"
         self._watch: DriftWatch | None = None
         self.position = {"epoch": 0, "global_step": 0}
@@ -154,10 +153,7 @@ class IsolationHandle:
         """Undo everything: thaws, wrappers, freezing, holds, and (with ``optimizers=True``)
         the optimizer surgery. Flags and modes go back to exactly what they were."""
         settle(self.plan.model)
-        for handle in reversed(list(self._thaws.values())):
-            if handle.active:
-                handle.restore()
-        self._thaws.clear()
+        self._thaws.restore()
         self._branches.unwrap()
         if self._freeze is not None and self._freeze.active:
             self._freeze.restore()
@@ -191,14 +187,10 @@ class IsolationHandle:
                 f"spec was applied (sync_batchnorm, or a configure_model hook), so bn='eval' no "
                 f"longer holds them: {shown(gone)}. Build the layers first, or use bn='train'"
             )
-        self._link.attach(self.plan, opts, schedulers, list(self._thawed), self.frozen_parameters())
+        self._link.attach(
+            self.plan, opts, schedulers, list(self._thaws.applied), self.frozen_parameters()
+        )
         self._watch = self._new_watch()
-
-    def _unthaw(self, name: str) -> None:
-        """Take back a thaw that could not complete."""
-        self._thaws.pop(name).restore()
-        del self._thawed[name]
-        self._link.unjoin(name)
 
     def thaw(
         self, name: str, optimizer: object = None, lr: float | None = None
@@ -220,28 +212,7 @@ class IsolationHandle:
                 thaw more parameters, give them a thaw step of their own).
         """
         self._require_active("thaw")
-        g = self.plan.group(name)
-        if name in self._thawed:
-            raise SpecError(
-                f"{self._caller}: thaw group {name!r} was thawed already (at "
-                f"{self._thawed[name]}); a group is thawed once: check handle.thawed before "
-                f"thawing, or give the other parameters a thaw step of their own"
-            )
-        settle(self.plan.model)  # FSDP2: a flag set on an unsharded temporary is lost
-        self._thaws[name] = FreezeHandle(
-            self.plan.model,
-            f"{self._caller}(thaw {name!r})",
-            g.params,
-            dict(g.norms),
-            True,
-            g.thaw.bn,
-        )
-        self._thawed[name] = dict(self.position)
-        try:
-            group = self._link.join(g, optimizer, lr)
-        except BaseException:
-            self._unthaw(name)
-            raise
+        group = self._thaws.thaw(name, optimizer, lr, self.position)
         self._watch = self._new_watch() if self._watch is not None else None
         return group
 
@@ -269,11 +240,7 @@ class IsolationHandle:
     def due(self, *, epoch: int, step: int) -> list[str]:
         """The groups not yet thawed that are due at ``epoch`` after ``step`` optimizer steps:
         those due by epoch first, then those due by step, each in schedule order."""
-        pending = [t for t in self.plan.spec.thaw if t.name not in self._thawed]
-        by_epoch = [t for t in pending if t.epoch is not None and epoch >= t.epoch]
-        by_step = [t for t in pending if t.step is not None and step >= t.step]
-        due = [str(t.name) for t in [*by_epoch, *by_step]]
-        return due + [n for n in self._phases.due(list(self._thawed)) if n not in due]
+        return self._thaws.due(epoch=epoch, step=step)
 
     def observe(self, metrics: Mapping[str, Any]) -> list[str]:
         """Take the metrics of a validation run: the ``monitor`` thaw watching now counts a
@@ -287,10 +254,10 @@ class IsolationHandle:
             SpecError: the watched metric is not in ``metrics``.
         """
         self._require_active("observe")
-        return self._phases.observe(metrics, list(self._thawed), self._caller)
+        return self._thaws.phases.observe(metrics, list(self._thaws.applied), self._caller)
 
     def _clock(self, name: str) -> Clock:
-        return lambda: (self.position, self._thawed[name])
+        return lambda: (self.position, self._thaws.applied[name])
 
     def verify(
         self,
@@ -378,17 +345,15 @@ class IsolationHandle:
     @property
     def thawed(self) -> tuple[str, ...]:
         """The thaw groups applied so far, in the order they were thawed."""
-        return tuple(self._thawed)
+        return tuple(self._thaws.applied)
 
     def frozen_parameters(self) -> dict[str, nn.Parameter]:
         """Name -> parameter of every parameter frozen now."""
-        thawed = {id(p) for n in self._thawed for p in self.plan.group(n).params.values()}
-        return {n: p for n, p in self.plan.frozen.items() if id(p) not in thawed}
+        return self._thaws.frozen_parameters()
 
     def frozen_norms(self) -> dict[str, nn.Module]:
         """Name -> BatchNorm layer held now."""
-        thawed = {id(m) for n in self._thawed for m in self.plan.group(n).norms.values()}
-        return {n: m for n, m in self.plan.norms.items() if id(m) not in thawed}
+        return self._thaws.frozen_norms()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the spec stands, by parameter name, in plain types (``weights_only`` loads it)."""
@@ -397,8 +362,8 @@ class IsolationHandle:
                 "format": FORMAT,
                 "spec": self.plan.record(),
                 "frozen": list(self.frozen),
-                "thawed": [{"name": n, **at} for n, at in self._thawed.items()],
-                "phases": self._phases.state_dict(),
+                "thawed": [{"name": n, **at} for n, at in self._thaws.applied.items()],
+                "phases": self._thaws.phases.state_dict(),
                 "layout": [  # param names by group, to rewrite optimizer states (isolate.leave)
                     [[self.plan.names.name(p) for p in g["params"]] for g in opt.param_groups]
                     for opt in self._link.optimizers
@@ -420,11 +385,11 @@ class IsolationHandle:
         """
         self._require_active("load_state_dict")
         entries = check_state(self.plan.record(), state, self.plan.group_names, self._caller)
-        self._phases.load_state_dict(state.get("phases"), self._caller)
+        self._thaws.phases.load_state_dict(state.get("phases"), self._caller)
         done: list[str] = []
         try:
             for entry in entries:
-                if entry["name"] in self._thawed:
+                if entry["name"] in self._thaws.applied:
                     continue
                 self.position = {"epoch": entry["epoch"], "global_step": entry["global_step"]}
                 self.thaw(entry["name"])
@@ -436,7 +401,7 @@ class IsolationHandle:
                 )
         except BaseException:
             for name in reversed(done):
-                self._unthaw(name)
+                self._thaws.unthaw(name)
             raise
 
     def _require_active(self, what: str) -> None:
@@ -449,5 +414,5 @@ class IsolationHandle:
         state = "active" if self._active else "restored"
         return (
             f"IsolationHandle({type(self.plan.model).__name__}: {len(self.frozen)} frozen, "
-            f"{len(self.plan.wraps)} branches, thawed {list(self._thawed)}, {state})"
+            f"{len(self.plan.wraps)} branches, thawed {list(self._thaws.applied)}, {state})"
         )

@@ -1,0 +1,91 @@
+"""The thaw groups of an applied spec: which are thawed, since when, and how to undo each.
+
+A thaw flips its group's flags through a :class:`~isolate.freezing.FreezeHandle` built from
+the plan's resolved parameters (no selector is resolved again) and joins the group to its
+optimizer through the :class:`~isolate.optimizers.OptimizerLink`, by identity, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from isolate.errors import SpecError
+from isolate.freezing import FreezeHandle
+from isolate.optimizers import OptimizerLink
+from isolate.plan import Plan
+from isolate.schedule import Phases
+from isolate.sharding import settle
+
+__all__ = ["Thaws"]
+
+
+class Thaws:
+    """What the schedule has thawed, in order, with the epoch and step of each thaw."""
+
+    def __init__(self, plan: Plan, link: OptimizerLink, caller: str) -> None:
+        self.plan = plan
+        self.link = link
+        self.caller = caller
+        self.applied: dict[str, dict[str, int]] = {}  # group -> {"epoch", "global_step"}
+        self.phases = Phases(plan.spec.thaw)
+        self._handles: dict[str, FreezeHandle] = {}
+
+    def thaw(
+        self, name: str, optimizer: object, lr: float | None, position: Mapping[str, int]
+    ) -> dict[str, Any] | None:
+        """Flip group ``name`` and join it to its optimizer; undone whole if joining fails."""
+        g = self.plan.group(name)
+        if name in self.applied:
+            raise SpecError(
+                f"{self.caller}: thaw group {name!r} was thawed already (at "
+                f"{self.applied[name]}); a group is thawed once: check handle.thawed before "
+                f"thawing, or give the other parameters a thaw step of their own"
+            )
+        settle(self.plan.model)  # FSDP2: a flag set on an unsharded temporary is lost
+        self._handles[name] = FreezeHandle(
+            self.plan.model,
+            f"{self.caller}(thaw {name!r})",
+            g.params,
+            dict(g.norms),
+            True,
+            g.thaw.bn,
+        )
+        self.applied[name] = dict(position)
+        try:
+            return self.link.join(g, optimizer, lr)
+        except BaseException:
+            self.unthaw(name)
+            raise
+
+    def unthaw(self, name: str) -> None:
+        """Take back one thaw (a thaw, or a load, that could not complete)."""
+        self._handles.pop(name).restore()
+        del self.applied[name]
+        self.link.unjoin(name)
+
+    def due(self, *, epoch: int, step: int) -> list[str]:
+        """The groups not yet thawed that are due: by epoch first, then by step, then the
+        ``monitor`` thaws whose metric stopped improving, each in schedule order."""
+        pending = [t for t in self.plan.spec.thaw if t.name not in self.applied]
+        by_epoch = [t for t in pending if t.epoch is not None and epoch >= t.epoch]
+        by_step = [t for t in pending if t.step is not None and step >= t.step]
+        due = [str(t.name) for t in [*by_epoch, *by_step]]
+        return due + [n for n in self.phases.due(list(self.applied)) if n not in due]
+
+    def frozen_parameters(self) -> dict[str, nn.Parameter]:
+        thawed = {id(p) for n in self.applied for p in self.plan.group(n).params.values()}
+        return {n: p for n, p in self.plan.frozen.items() if id(p) not in thawed}
+
+    def frozen_norms(self) -> dict[str, nn.Module]:
+        thawed = {id(m) for n in self.applied for m in self.plan.group(n).norms.values()}
+        return {n: m for n, m in self.plan.norms.items() if id(m) not in thawed}
+
+    def restore(self) -> None:
+        """Freeze every thawed group again, newest first (flags and modes as recorded)."""
+        for handle in reversed(list(self._handles.values())):
+            if handle.active:
+                handle.restore()
+        self._handles.clear()
