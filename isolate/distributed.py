@@ -57,10 +57,11 @@ def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> l
     """Compare ``params`` across ranks; a collective, so every rank must call it.
 
     Each rank fingerprints its own piece of every tensor (the whole tensor, or its local
-    shard of a ``DTensor``) and the ranks exchange the fingerprints with one
-    ``all_gather_object``: ``8 + 16 * N`` bytes per rank for ``N`` tensors, whatever their
-    size. Pieces that must be equal (see :func:`replica_key`) are compared exactly: a change
-    of any single bit is caught.
+    shard of a ``DTensor``) and the ranks exchange the names and fingerprints with one
+    ``all_gather_object``: O(number of tensors) bytes per rank, whatever their size (the
+    tensors are read once, never sent). Pieces that must be equal (see :func:`replica_key`)
+    are compared exactly: a change of any single bit is caught. Every rank gets the same
+    answer, so a raise does not leave some ranks waiting in the next collective.
 
     Returns:
         One :class:`~isolate.errors.RankDivergenceError` naming the tensors that differ
@@ -76,7 +77,10 @@ def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> l
         mine.append((key, fingerprint(t) if key is not None else 0))
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (names, mine))
-    differ: dict[str, list[int]] = {}
+    # Every rank holds every rank's fingerprints, so every rank reaches the same verdict
+    # (a check that raised on some ranks only would leave the others hanging in the next
+    # collective).
+    pieces: dict[tuple[str, Any], dict[int, list[int]]] = {}
     for rank, (their_names, theirs) in enumerate(gathered):
         if their_names != names:
             missing = sorted(set(names) ^ set(their_names))
@@ -87,14 +91,18 @@ def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> l
                     f"model"
                 )
             ]
-        for name, (key, print_), (their_key, their_print) in zip(names, mine, theirs, strict=True):
-            if key is not None and key == their_key and print_ != their_print:
-                differ.setdefault(name, []).append(rank)
+        for name, (key, print_) in zip(names, theirs, strict=True):
+            if key is not None:
+                pieces.setdefault((name, key), {}).setdefault(print_, []).append(rank)
+    differ: dict[str, list[list[int]]] = {}
+    for (name, _), prints in pieces.items():
+        if len(prints) > 1:
+            differ.setdefault(name, []).extend(sorted(prints.values()))
     if not differ:
         return []
     lines = [
-        f"  {name}: this rank ({dist.get_rank()}) and rank(s) {ranks} hold different values"
-        for name, ranks in list(differ.items())[:8]
+        f"  {name}: ranks {' vs '.join(str(g) for g in groups)} hold different values"
+        for name, groups in list(differ.items())[:8]
     ]
     return [
         RankDivergenceError(

@@ -198,6 +198,9 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
     Raises:
         IsolationTypeError: ``loss`` is not a tensor or a sequence of tensors, or ``model``
             is not a module.
+        ShardedGraphError: the graph's leaves stand for parameters of ``model`` that the walk
+            cannot map back (FSDP1 flat parameters, views of a hidden leaf); FSDP2
+            (``fully_shard``) temporaries are mapped to their sharded parameters.
 
     Warns:
         IsolationWarning: the graph holds a reentrant checkpoint, whose insides it cannot see.
@@ -255,6 +258,8 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
         IsolationTypeError: an argument has the wrong type.
         SelectorError: a selector matched nothing, a module is not part of ``model``, or
             ``protected`` names no parameter at all (an exhausted generator, say).
+        ShardedGraphError: as :func:`reachable_parameters`; also sharded parameters passed
+            without ``model=`` and outside the modules passed.
 
     Note:
         A loss without ``grad_fn`` passes trivially: check that it was not computed under
