@@ -21,7 +21,6 @@ from isolate.checks import (
     run_checks,
 )
 from isolate.errors import (
-    CheckpointMismatchError,
     IsolationTypeError,
     IsolationWarning,
     SpecError,
@@ -386,23 +385,9 @@ class IsolationHandle:
         self._require_active("load_state_dict")
         entries = check_state(self.plan.record(), state, self.plan.group_names, self._caller)
         self._thaws.phases.load_state_dict(state.get("phases"), self._caller)
-        done: list[str] = []
-        try:
-            for entry in entries:
-                if entry["name"] in self._thaws.applied:
-                    continue
-                self.position = {"epoch": entry["epoch"], "global_step": entry["global_step"]}
-                self.thaw(entry["name"])
-                done.append(entry["name"])
-            if list(self.frozen) != list(state["frozen"]):
-                raise CheckpointMismatchError(
-                    f"{self._caller}: the checkpoint lists {shown(state['frozen'])} as frozen, "
-                    f"but its schedule leaves {shown(self.frozen)} frozen; it is inconsistent"
-                )
-        except BaseException:
-            for name in reversed(done):
-                self._thaws.unthaw(name)
-            raise
+        self._thaws.load(entries, list(state["frozen"]))
+        if self._watch is not None:
+            self._watch = self._new_watch()
 
     def _require_active(self, what: str) -> None:
         if not self._active:

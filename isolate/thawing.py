@@ -12,10 +12,10 @@ from typing import Any
 
 from torch import nn
 
-from isolate.errors import SpecError
+from isolate.errors import CheckpointMismatchError, SpecError
 from isolate.freezing import FreezeHandle
 from isolate.optimizers import OptimizerLink
-from isolate.plan import Plan
+from isolate.plan import Plan, shown
 from isolate.schedule import Phases
 from isolate.sharding import settle
 
@@ -82,6 +82,28 @@ class Thaws:
     def frozen_norms(self) -> dict[str, nn.Module]:
         thawed = {id(m) for n in self.applied for m in self.plan.group(n).norms.values()}
         return {n: m for n, m in self.plan.norms.items() if id(m) not in thawed}
+
+    def load(self, entries: list[dict[str, Any]], frozen: list[str]) -> None:
+        """Thaw the saved ``entries`` at their saved positions; check that what stays frozen
+        is what the save says. On any error, the thaws of this call are undone."""
+        done: list[str] = []
+        try:
+            for entry in entries:
+                if entry["name"] in self.applied:
+                    continue
+                at = {"epoch": entry["epoch"], "global_step": entry["global_step"]}
+                self.thaw(entry["name"], None, None, at)
+                done.append(entry["name"])
+            now = list(self.frozen_parameters())
+            if now != frozen:
+                raise CheckpointMismatchError(
+                    f"{self.caller}: the checkpoint lists {shown(frozen)} as frozen, but its "
+                    f"schedule leaves {shown(now)} frozen; it is inconsistent"
+                )
+        except BaseException:
+            for name in reversed(done):
+                self.unthaw(name)
+            raise
 
     def restore(self) -> None:
         """Freeze every thawed group again, newest first (flags and modes as recorded)."""
