@@ -208,6 +208,10 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
+def _registered_ids(roots: Sequence[nn.Module]) -> set[int]:
+    return {id(p) for r in roots for m in r.modules() for p in m._parameters.values()}
+
+
 def _registered(roots: Sequence[nn.Module]) -> dict[int, tuple[str, torch.Tensor]]:
     out: dict[int, tuple[str, torch.Tensor]] = {}
     for root in roots:
@@ -262,7 +266,7 @@ def check_leaves(
             if id(m) not in found.leaves:
                 found.leaves[id(m)] = m
                 found.consumers.setdefault(id(m), list(found.consumers.get(leaf_id, [])))
-    registered = _registered(roots)
+    registered = _registered_ids(roots)  # ids only: names are built only to refuse
     foreign = [t for i, t in found.leaves.items() if i not in registered and i not in view.family]
     flat = [t for t in found.leaves.values() if is_flat_parameter(t)]
     if flat:
@@ -284,7 +288,8 @@ def check_leaves(
         )
     if not foreign:
         return view
-    unreached = [(n, p) for i, (n, p) in registered.items() if i not in found.leaves]
+    named = _registered(roots)
+    unreached = [(n, p) for i, (n, p) in named.items() if i not in found.leaves]
     standing = _stand_ins(foreign, unreached, view)
     if standing:
         raise ShardedGraphError(
