@@ -102,6 +102,64 @@ def test_branch_spec_errors_name_the_field() -> None:
         IsolationNet(branches=[Branch(connect="plain")])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"branch names must be unique; repeated: \['probe'\]"):
         IsolationNet(branches=[Branch(), Branch()])
+    with pytest.raises(ValueError, match=r"^Branch\(name='probe'\): detach_early=1 needs conn"):
+        IsolationNet(branches=[Branch(connect="attached", detach_early=1)])
+    with pytest.raises(ValueError, match=r"^Branch\(name='probe'\): detach_early=-1 needs"):
+        IsolationNet(branches=[Branch(detach_early=-1)])
+    with pytest.raises(ValueError, match=r"detach_early=11 must be at most the trunk's 10 layers"):
+        IsolationNet(branches=[Branch(detach_early=11)])
+    with pytest.raises(ValueError, match=r"one branch at most may set detach_early.*\['a', 'b'\]"):
+        IsolationNet(branches=[Branch(name="a", detach_early=1), Branch(name="b", detach_early=2)])
+
+
+# The trunk's parameters before its last layer: conv, BatchNorm, conv, BatchNorm.
+BEFORE_THE_LAST_LAYER = [
+    "trunk.0.weight",
+    "trunk.1.weight",
+    "trunk.1.bias",
+    "trunk.4.weight",
+    "trunk.5.weight",
+    "trunk.5.bias",
+]
+
+
+def test_a_detach_one_layer_early_cuts_the_layers_before_it_off() -> None:
+    import isolate
+
+    images, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    cut = {}
+    for early in (0, 1):
+        torch.manual_seed(0)
+        net = IsolationNet(branches=[Branch(name="probe", detach_early=early)])
+        with isolate.trace_forward(net) as trace:
+            images_out = net._outputs(images)
+            total = torch.nn.functional.cross_entropy(images_out["main"], labels)
+            total = total + torch.nn.functional.cross_entropy(images_out["probe"], labels)
+        cut[early] = isolate.cut_off_parameters(total, net, trace=trace).parameters
+        if early:
+            assert isinstance(net.trunk[9], isolate.Detached)  # moved from the branch
+            assert not isinstance(net.branches["probe"], isolate.Detached)
+            # The probe's loss now trains the trunk's last layer, and nothing before it.
+            reached = isolate.reachable_parameters(
+                torch.nn.functional.cross_entropy(net._outputs(images)["probe"], labels), net
+            )
+            assert sorted(n for n in reached if n.startswith("trunk")) == [
+                "trunk.9.module.bias",
+                "trunk.9.module.weight",
+            ]
+    assert dict(cut[0]) == {}
+    assert list(cut[1]) == BEFORE_THE_LAST_LAYER
+    assert cut[1]["trunk.4.weight"].startswith("'trunk.4' (Conv2d) ran, but its output does not")
+    assert cut[1]["trunk.4.weight"].endswith(
+        "starts again at 'trunk.9.module' (Linear), whose input carries no graph"
+    )
+    # The same weights, the same names in state_dict: only the placement differs.
+    torch.manual_seed(0)
+    right = IsolationNet(branches=[Branch(name="probe")]).state_dict()
+    torch.manual_seed(0)
+    early = IsolationNet(branches=[Branch(name="probe", detach_early=1)]).state_dict()
+    assert list(right) == list(early)
+    assert all(torch.equal(right[k], early[k]) for k in right)
 
 
 @needs_data
@@ -371,13 +429,17 @@ def test_claims_fail_when_the_run_breaks_them() -> None:
     }
     results["runs"]["detached"]["test"] = {"acc/probe": 0.5}
     results["runs"]["detached"]["chance"] = {"acc/probe": 0.11}
-    assert [c["ok"] for c in evaluate_checks(results)] == [True] * 6
-    # One step off by the smallest amount, one parameter reached, a probe at chance.
+    results["runs"]["detached"]["cut_off"] = {"trainable": 14, "parameters": {}, "unseen": []}
+    assert [c["ok"] for c in evaluate_checks(results)] == [True] * 7
+    # One step off by the smallest amount, one parameter reached, a probe at chance, one
+    # parameter cut off.
     results["runs"]["detached"]["grad_delta"] = [0.0, 1e-30, 0.0]
     results["runs"]["detached"]["audit"]["probe"]["trunk"] = [1, 8]
     results["runs"]["detached"]["test"] = {"acc/probe": 0.11}
+    results["runs"]["detached"]["cut_off"]["parameters"] = {"head.2.bias": "why"}
     checks = evaluate_checks(results)
-    assert [c["ok"] for c in checks] == [True, False, True, False, False, True]
+    assert [c["ok"] for c in checks] == [True, False, True, False, False, True, False]
+    assert checks[6]["observed"] == "head.2.bias"
     assert checks[1]["observed"] == "2/3 steps exactly 0.0, max|Δ| = 1e-30"
     # A run that should finish and crashed: one failed check instead of its claims.
     results["runs"]["detached"] = {"status": "error", "error": {"type": "crash", "message": "x"}}
@@ -388,6 +450,96 @@ def test_claims_fail_when_the_run_breaks_them() -> None:
     results["runs"]["detached"] = dict(good)
     with pytest.raises(ValueError, match=r"^detached: unknown claim 'teleports'"):
         evaluate_checks(results)
+
+
+def test_cut_off_claims_name_exactly_the_parameters() -> None:
+    why = {name: "no path" for name in BEFORE_THE_LAST_LAYER}
+    early = {
+        "status": "ok",
+        "cut_off": {"trainable": 14, "parameters": why, "unseen": [], "changed": []},
+        "test": {"acc/main": 0.85},
+        "chance": {"acc/main": 0.116},
+    }
+    results = _fake_results(detached_early=early)
+    checks = evaluate_checks(results)
+    assert [(c["check"], c["ok"]) for c in checks] == [
+        ("exactly these parameters are cut off from the loss at step 0 (graph audit)", True),
+        ("the cut-off parameters keep their step-0 values to the end", True),
+        ("the main head learns", True),
+    ]
+    assert checks[0]["observed"] == checks[0]["expected"] == ", ".join(BEFORE_THE_LAST_LAYER)
+    assert checks[1]["observed"] == "6 of 6 bitwise unchanged"
+    # One too few, one too many, one that moved, one the walk cannot see: each fails.
+    for parameters, unseen, changed in (
+        (BEFORE_THE_LAST_LAYER[:-1], [], []),
+        ([*BEFORE_THE_LAST_LAYER, "trunk.9.module.bias"], [], []),
+        (BEFORE_THE_LAST_LAYER, [], ["trunk.1.bias"]),
+        (BEFORE_THE_LAST_LAYER, ["head.2.bias"], []),
+    ):
+        early["cut_off"] = {
+            "trainable": 14,
+            "parameters": dict.fromkeys(parameters, "no path"),
+            "unseen": unseen,
+            "changed": changed,
+        }
+        ok = [c["ok"] for c in evaluate_checks(results)][:2]
+        assert ok == ([True, False] if changed else [False, True]), (parameters, unseen)
+    assert evaluate_checks(results)[0]["observed"].endswith("; cannot be seen: head.2.bias")
+    early["cut_off"]["unseen"], early["cut_off"]["changed"] = [], ["trunk.1.bias"]
+    assert evaluate_checks(results)[1]["observed"] == (
+        "5 of 6 bitwise unchanged; changed: trunk.1.bias"
+    )
+    del early["cut_off"]  # not audited: no claim passes by default
+    assert [c["observed"] for c in evaluate_checks(results)][:2] == ["not audited", "n/a"]
+    assert [c["ok"] for c in evaluate_checks(results)][:2] == [False, False]
+    results["variants"]["detached_early"]["claims"] = [{"check": "cut_off", "expect": "all"}]
+    with pytest.raises(ValueError, match=r"^cut_off: expect='all' must be 'none' or a list"):
+        evaluate_checks(results)
+
+
+def test_the_cut_off_and_gradient_sections_draw_what_the_recorder_measured(
+    tmp_path: Path,
+) -> None:
+    import isolate
+    from experiments.recording import _figure_groups, _groups
+    from experiments.sections import gradient_report_of, render_declared
+
+    records = {}
+    for name, early in (("detached", 0), ("detached_early", 1)):
+        torch.manual_seed(0)
+        net = IsolationNet(branches=[Branch(name="probe", detach_early=early)])
+        outputs, labels = net._outputs(torch.randn(8, 1, 28, 28)), torch.randint(0, 10, (8,))
+        losses = {k: torch.nn.functional.cross_entropy(v, labels) for k, v in outputs.items()}
+        total = losses["main"] + losses["probe"]
+        cut = isolate.cut_off_parameters(total, net)
+        report = isolate.gradient_report(
+            losses, net, groups=_figure_groups(net, "trunk", _groups(net))
+        )
+        data = json.loads(json.dumps(experiments.formats.jsonable(report.to_dict())))
+        assert str(gradient_report_of(data)) == str(report)  # the round trip through run.json
+        records[name] = {
+            "status": "ok",
+            "test": {"acc/main": 0.5},
+            "cut_off": {
+                "trainable": cut.trainable,
+                "parameters": dict(cut.parameters),
+                "unseen": [],
+                "changed": [],
+            },
+            "gradients": data,
+        }
+    lines = render_declared(_fake_results(**records), tmp_path)
+    text = "\n".join(lines)
+    for name in records:
+        png = tmp_path / f"gradient_shares_{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png.name})" in text
+    assert "| detached | 12 | none |  | 0.500 |" in text
+    assert f"| detached_early | 12 | {', '.join(BEFORE_THE_LAST_LAYER)} | 6 of 6 | 0.500 |" in text
+    # Without a trace, one reason for all six: one row.
+    assert f"| detached_early | {', '.join(BEFORE_THE_LAST_LAYER)} | no path from any loss" in text
+    assert "| detached | probe | no path | 0 of 5 | branches.probe |" in text
+    assert re.search(r"\| detached_early \| main \| 9\d\.\d% \| 1 of 5 \| trunk\.9, head \|", text)
 
 
 def test_frozen_and_collapse_claims_read_the_declared_series() -> None:
