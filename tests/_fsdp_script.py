@@ -339,11 +339,47 @@ def fsdp1() -> dict[str, Any]:
     return out
 
 
+def tp() -> dict[str, Any]:
+    """Tensor parallelism (DTensor parameters that are the graph's leaves themselves)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = batch()
+    out: dict[str, Any] = {"reach": isolate.reachable_parameters(model(x).sum(), model)}
+    cut = model[3](model[2](model[1](model[0](x))).detach()).sum()
+    out["cut_reach"] = isolate.reachable_parameters(cut, model)
+    out["isolated"] = raises(lambda: isolate.assert_isolated(cut, model[0], model=model))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    spec = isolate.IsolationSpec(freeze=["0"], thaw=[isolate.Thaw("0", step=1)])
+    handle = spec.apply(model, optimizer=opt)
+    out["prints"], out["violations"] = [], []
+    for step in range(3):
+        handle.step(epoch=0, step=step)
+        model(batch(step)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        v = handle.verify(checks=("drift", "flags", "optimizers", "ranks"), on_violation="warn")
+        out["violations"].append(list(v.violations))
+        out["prints"].append(prints(model))
+    out["groups"] = [len(g["params"]) for g in opt.param_groups]
+    handle.restore()
+    return out
+
+
 MODES: dict[str, Callable[[], dict[str, Any]]] = {
     "audits": audits,
     "engine": engine,
     "hsdp": hsdp,
     "fsdp1": fsdp1,
+    "tp": tp,
 }
 
 

@@ -378,3 +378,23 @@ def test_hsdp_on_a_2x2_mesh(hsdp: list[dict[str, Any]]) -> None:
             "t: parameters differ across the 4 ranks (now): ['head.weight']\n"
             "  head.weight: ranks [1] vs [3] hold different values"
         )
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run("tp", tmp_path_factory.mktemp("tp"))
+
+
+@pytest.mark.slow
+def test_tensor_parallel(tp: list[dict[str, Any]]) -> None:
+    # ColwiseParallel / RowwiseParallel: the DTensor parameters are the graph's own leaves
+    everything = ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
+    for rank in tp:
+        assert rank["reach"] == everything
+        assert rank["cut_reach"] == ["3.weight", "3.bias"]
+        assert rank["isolated"] == ""
+        assert rank["violations"] == [[], [], []]
+        assert rank["groups"] == [4, 2]
+        w = [p["0.weight"] for p in rank["prints"]]
+        assert w[1] != w[0] and w[2] != w[1]  # frozen in step 0, thawed at step 1
+        assert rank["prints"] == tp[0]["prints"]
