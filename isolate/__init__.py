@@ -26,6 +26,7 @@ from isolate.errors import (
     UnsupportedStrategyError,
     WrappingError,
 )
+from isolate.fingerprint import fingerprint
 from isolate.freezing import FreezeHandle, Frozen, freeze, frozen, is_frozen, unfreeze, unfrozen
 from isolate.gradients import (
     GradientInvariance,
@@ -74,6 +75,7 @@ __all__ = [
     "assert_reached",
     "clone",
     "cut_off_parameters",
+    "fingerprint",
     "freeze",
     "frozen",
     "gradient_invariance",

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from isolate import drift
+from isolate import fingerprint as fingerprinting
 from isolate.drift import (
     Exposure,
     Snapshot,
@@ -393,11 +393,11 @@ def test_every_single_bit_flip_changes_the_fingerprint(dtype: torch.dtype) -> No
 
 def test_single_bit_flips_across_lines_chunks_and_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shrink the geometry so a small tensor spans several lanes, lines, chunks and pieces."""
-    monkeypatch.setattr(drift, "_LANES", 8)
-    monkeypatch.setattr(drift, "_LINES", 4)  # a chunk is 32 words
-    monkeypatch.setattr(drift, "_PIECE_BYTES", 52)  # not a multiple of a line: carries
-    monkeypatch.setattr(drift, "_line_weights", {})
-    monkeypatch.setattr(drift, "_lane_weights", {})
+    monkeypatch.setattr(fingerprinting, "_LANES", 8)
+    monkeypatch.setattr(fingerprinting, "_LINES", 4)  # a chunk is 32 words
+    monkeypatch.setattr(fingerprinting, "_PIECE_BYTES", 52)  # not a multiple of a line: carries
+    monkeypatch.setattr(fingerprinting, "_line_weights", {})
+    monkeypatch.setattr(fingerprinting, "_lane_weights", {})
     t = sample(torch.float32, 9, 11)  # 99 words: 3 chunks and a partial one
     reference = fingerprint(t)
     assert fingerprint(t.t().contiguous().t()) == reference  # non-contiguous: fed in pieces
@@ -449,10 +449,10 @@ def test_fingerprint_is_the_same_at_any_thread_count() -> None:
 def test_accelerator_formula_agrees_with_mv() -> None:
     """Off CPU, lanes are summed elementwise (torch has no integer mv there): same numbers."""
     words = torch.randint(-(2**31), 2**31 - 1, (64, 8), dtype=torch.int32)
-    weights = drift._weights(0, torch.device("cpu"))[:64]
+    weights = fingerprinting._weights(0, torch.device("cpu"))[:64]
     by_mv = torch.mv(words.t(), weights)
     assert torch.equal((words * weights[:, None]).sum(0, dtype=torch.int32), by_mv)
-    odd = drift._as_words(torch.arange(14, dtype=torch.uint8)[2:14])  # unaligned, no copy
+    odd = fingerprinting._as_words(torch.arange(14, dtype=torch.uint8)[2:14])  # unaligned, no copy
     assert odd.tolist() == torch.arange(2, 14, dtype=torch.uint8).view(torch.int32).tolist()
 
 
