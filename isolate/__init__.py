@@ -26,7 +26,7 @@ from isolate.errors import (
     UnsupportedStrategyError,
     WrappingError,
 )
-from isolate.fingerprint import fingerprint
+from isolate.fingerprints import fingerprint
 from isolate.freezing import FreezeHandle, Frozen, freeze, frozen, is_frozen, unfreeze, unfrozen
 from isolate.gradients import (
     GradientInvariance,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
-from isolate.fingerprint import _fingerprints, _local, fingerprint
+from isolate.fingerprints import _fingerprints, _local, fingerprint
 from isolate.sharding import canonical_parameters
 
 __all__ = [

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from isolate import fingerprint as fingerprinting
+from isolate import fingerprints as fingerprinting
 from isolate.drift import (
     Exposure,
     Snapshot,
