@@ -103,6 +103,22 @@ def _run_record(tmp_path: Path) -> dict[str, Any]:
     return json.loads((tmp_path / "run" / "run.json").read_text())
 
 
+def _hooks(module: torch.nn.Module) -> list[str]:
+    """Submodules that still carry forward hooks (the recorder's trace must take its off)."""
+    return [n for n, m in module.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+
+
+# What the misplaced Detached of detached_early cuts off: the trunk before its last layer.
+CUT_OFF_EARLY = [
+    "trunk.0.weight",
+    "trunk.1.weight",
+    "trunk.1.bias",
+    "trunk.4.weight",
+    "trunk.5.weight",
+    "trunk.5.bias",
+]
+
+
 def test_every_variant_is_a_small_file_with_a_comment() -> None:
     names = {path.stem for path in VARIANTS}
     assert {"baseline", "detached", "attached", "inplace_guarded", "inplace_cloned"} <= names
@@ -123,6 +139,8 @@ def test_config_runs_with_the_promised_outcome(config: Path, tmp_path: Path) -> 
         record = _run_record(tmp_path)
         assert record["status"] == "error" and record["steps"] == 0
         assert record["error"]["type"] == "InplaceModificationError"
+        assert "cut_off" not in record  # stopped in the sanity check, before any training step
+        assert _hooks(cli.model) == []
         return
 
     cli, before = _fit(config, tmp_path)
@@ -134,6 +152,12 @@ def test_config_runs_with_the_promised_outcome(config: Path, tmp_path: Path) -> 
     after = _state(getattr(model, "trunk", None) or model.encoder)
     moved = sorted(k for k in before if not torch.equal(before[k], after[k]))
     audit = record["audit"]
+    assert _hooks(model) == []  # the first forward's trace is gone
+    cut_off = record["cut_off"]
+    assert cut_off["step"] == 0 and cut_off["unseen"] == []
+    # At step 0 a frozen trunk is not trainable (its flags are restored when fit ends).
+    frozen = len(before) - 6 if name.startswith("frozen_trunk") else 0  # less BN buffers
+    assert cut_off["trainable"] == len(list(model.parameters())) - frozen
 
     # The logger is on by default: metrics per step and per epoch, and the test split's.
     logged = _logged(tmp_path, name)
@@ -151,6 +175,27 @@ def test_config_runs_with_the_promised_outcome(config: Path, tmp_path: Path) -> 
         assert record["test"]["knn_acc"] > 0.5
         return
     trunk_params = {n for n, _ in model.trunk.named_parameters()}
+    if name == "detached_early":
+        # The probe's Detached sits around the trunk's last layer: the layers before it get
+        # no gradient from any loss, and the recorder names them with the trace's reason.
+        assert list(cut_off["parameters"]) == CUT_OFF_EARLY
+        assert all(
+            why.endswith("starts again at 'trunk.9.module' (Linear), whose input carries no graph")
+            for why in cut_off["parameters"].values()
+        )
+        assert cut_off["changed"] == []
+        weights = {k for k, v in model.trunk.state_dict().items() if v.is_floating_point()}
+        weights -= {k for k in weights if "running_" in k}
+        assert len(weights) == 8 and sorted(weights & set(moved)) == ["9.bias", "9.weight"]
+        assert audit["main"]["trunk"] == audit["probe"]["trunk"] == [2, 8]
+        assert audit["ink_probe"]["trunk"] == [0, 8]
+        shares = record["gradients"]["groups"]
+        assert [g for g, s in shares.items() if s["norm"]["main"] is not None] == [
+            "trunk.9",
+            "head",
+        ]
+        return
+    assert cut_off["parameters"] == {} and cut_off["changed"] == []
     if name == "frozen_trunk":
         assert moved == []  # weights and BatchNorm statistics, bit for bit
         # The callback restores what it froze when fit ends.

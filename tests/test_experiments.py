@@ -452,6 +452,36 @@ def test_claims_fail_when_the_run_breaks_them() -> None:
         evaluate_checks(results)
 
 
+def test_the_recorder_takes_its_trace_off_when_the_first_step_fails(tmp_path: Path) -> None:
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from experiments.recording import Recorder
+
+    class FailsAfterTheTrunk(IsolationNet):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.trunk(batch[0])  # traced
+            raise RuntimeError("the step failed")
+
+    model = FailsAfterTheTrunk()
+    data = TensorDataset(torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,)))
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=1,
+        callbacks=[Recorder(output=str(tmp_path / "run"), verbose=False)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    with pytest.raises(RuntimeError, match=r"^the step failed$"):
+        trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=4))
+    assert [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks] == []
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["status"] == "error" and "cut_off" not in record
+
+
 def test_cut_off_claims_name_exactly_the_parameters() -> None:
     why = {name: "no path" for name in BEFORE_THE_LAST_LAYER}
     early = {
