@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from isolate.drift import fingerprint
 from isolate.errors import IsolationError, RankDivergenceError
+from isolate.fingerprints import fingerprint
 from isolate.plan import shown
 
 __all__ = ["check_ranks", "replica_key", "world_size"]
