@@ -8,13 +8,11 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from isolate.engine import IsolationHandle
 from isolate.errors import (
-    CheckpointMismatchError,
     IsolationError,
     IsolationTypeError,
     IsolationWarning,
@@ -22,6 +20,7 @@ from isolate.errors import (
 )
 from isolate.lightning.ddp import applies_at_fit_start, check_trainer, load_state_first, rewrap
 from isolate.lightning.metrics import grad_norms
+from isolate.lightning.state import CheckpointState
 from isolate.spec import IsolationSpec, Thaw, ThawKeys, string_list
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
@@ -45,7 +44,7 @@ def _warn(message: str) -> None:
     warnings.warn(message, IsolationWarning, stacklevel=2)
 
 
-class IsolationCallback(Callback):
+class IsolationCallback(CheckpointState):
     """Freeze, detach, clone and thaw by name, and check while training that isolation holds.
 
     A thin adapter over :class:`isolate.IsolationSpec`: ``setup("fit")`` applies the spec
@@ -138,38 +137,20 @@ class IsolationCallback(Callback):
         expected_unused: list[str] | None = None,
     ) -> None:
         super().__init__()
-        keywords = {
-            k: v
-            for k, v in {
-                "freeze": freeze,
-                "detach": detach,
-                "clone": clone,
-                "bn": bn,
-                "thaw": thaw,
-                "protect": protect,
-                "frozen_in_optimizer": frozen_in_optimizer,
-            }.items()
-            if v != _DEFAULTS[k]
+        given = {
+            "freeze": freeze,
+            "detach": detach,
+            "clone": clone,
+            "bn": bn,
+            "thaw": thaw,
+            "protect": protect,
+            "frozen_in_optimizer": frozen_in_optimizer,
         }
-        self.spec = _spec(spec, keywords)
-        if (
-            isinstance(verify_every_n_steps, bool)
-            or not isinstance(verify_every_n_steps, int)
-            or (verify_every_n_steps < 0)
-        ):
-            raise SpecError(
-                f"{_CALLER}: verify_every_n_steps must be an integer >= 0 (0 turns checks off), "
-                f"got {verify_every_n_steps!r}"
-            )
-        if on_violation not in ("raise", "warn"):
-            raise SpecError(
-                f"{_CALLER}: on_violation must be 'raise' or 'warn', got {on_violation!r}"
-            )
+        self.spec = _spec(spec, {k: v for k, v in given.items() if v != _DEFAULTS[k]})
+        _check_options(verify_every_n_steps, on_violation, drift)
         self.verify_every_n_steps = verify_every_n_steps
         self.on_violation: Literal["raise", "warn"] = on_violation
         self.log_grad_norms = bool(log_grad_norms)
-        if drift not in ("fingerprint", "copy"):
-            raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
         self.drift: Literal["fingerprint", "copy"] = drift
         self.expected_unused = string_list(expected_unused, "expected_unused", _CALLER)
         self.handle: IsolationHandle | None = None
@@ -379,45 +360,6 @@ class IsolationCallback(Callback):
         """A last check of drift and ranks."""
         self._check(("drift", "ranks"), "at the end of training")
 
-    def state_dict(self) -> dict[str, Any]:
-        """The spec, what is frozen now and when each group was thawed, by parameter name."""
-        if self.handle is None:
-            return dict(self._last_state)
-        return self.handle.state_dict()
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Refuse a checkpoint that holds no state of this callback."""
-        if self.handle is None:
-            return
-        if self.state_key not in (checkpoint.get("callbacks") or {}):
-            raise CheckpointMismatchError(
-                f"{_CALLER}: the checkpoint holds no {_CALLER} state: it was written without "
-                f"this callback, so it is unknown what was frozen or thawed. To start a new "
-                f"isolation schedule from its weights, load them with "
-                f"model.load_state_dict(torch.load(path, weights_only=True)['state_dict']) and "
-                f"call fit() without ckpt_path"
-            )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check the checkpoint's spec against this one, then thaw what it had thawed.
-
-        Runs before DDP wraps the model, so thawed groups are synchronised from the start;
-        groups thawed in the checkpoint are not frozen again.
-
-        Raises:
-            CheckpointMismatchError: the checkpoint was written under another spec.
-        """
-        if self.handle is None:
-            self._last_state = dict(state_dict)
-            return
-        try:
-            self.handle.load_state_dict(state_dict)
-        except IsolationError:
-            self._restore()
-            raise
-
 
 def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
     if spec is not None:
@@ -484,3 +426,15 @@ def _check_named(
             f"{sorted(losses)}; set self.{LOSSES_ATTRIBUTE} = {{'name': loss, ...}} in "
             f"training_step, with the names used in protect"
         )
+
+
+def _check_options(every: object, on_violation: object, drift: object) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise SpecError(
+            f"{_CALLER}: verify_every_n_steps must be an integer >= 0 (0 turns checks off), "
+            f"got {every!r}"
+        )
+    if on_violation not in ("raise", "warn"):
+        raise SpecError(f"{_CALLER}: on_violation must be 'raise' or 'warn', got {on_violation!r}")
+    if drift not in ("fingerprint", "copy"):
+        raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
