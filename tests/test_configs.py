@@ -229,6 +229,8 @@ def test_presets_parse_on_top_of_a_variant(tmp_path: Path) -> None:
         if preset.stem == "ddp":
             assert type(trainer.strategy).__name__ == "DDPStrategy"
             assert trainer.num_devices == 2
+            # detached_early's cut-off trunk must not stop the run (the recorder names it).
+            assert trainer.strategy._ddp_kwargs == {"find_unused_parameters": True}
         elif preset.stem == "quick":
             assert cli.datamodule.hparams.limit_train == 2560
             assert trainer.max_epochs == 1

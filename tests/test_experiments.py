@@ -46,7 +46,13 @@ pytestmark = [
     # Lightning 2.6's CLI calls jsonargparse APIs that jsonargparse 4.49 deprecates.
     pytest.mark.filterwarnings("ignore::jsonargparse._deprecated.JsonargparseDeprecationWarning"),
 ]
-PLOTS = ("gradient_delta.png", "accuracy.png", "drift.png", "collapse.png")
+PLOTS = (
+    "gradient_delta.png",
+    "accuracy.png",
+    "drift.png",
+    "collapse.png",
+    *(f"gradient_shares_{run}.png" for run in ("attached", "detached", "detached_early")),
+)
 # A few steps are enough where the point is the machinery, not the claims.
 FIVE_STEPS = ["--data.limit_train=640", "--data.limit_val=128", "--data.limit_test=128"]
 
@@ -227,14 +233,21 @@ def test_report_files_are_written(suite: tuple[Path, dict[str, Any]]) -> None:
         "## SimSiam",
         "## Runs stopped by an error",
         "## Gradient reversal: reversal",  # the section the run declares
+        "## Parameters cut off from the loss (first step)",
+        "## Where each loss sends its gradient (first step)",
     ):
         assert section in report
     assert set(results["runs"]) == {v.name for v in VARIANTS}
     # The reproduce lines of the compared runs read it: kept.
     assert (output / "runs" / "baseline" / "grads.pt").is_file()
     failed = [c for c in results["checks"] if not c["ok"]]
+    # gradient_equal gives 2 checks, and so does cut_off naming parameters (they stay put).
+    two = [c for v in VARIANTS for c in v.claims if c["check"] == "gradient_equal"]
+    two += [
+        c for v in VARIANTS for c in v.claims if c["check"] == "cut_off" and c["expect"] != "none"
+    ]
     declared = sum(len(v.claims) for v in VARIANTS)
-    assert failed == [] and len(results["checks"]) == declared + 2  # gradient_equal: 2 each
+    assert failed == [] and len(results["checks"]) == declared + len(two) == declared + 3
     # Every run logged its metrics with the logger, per step and per epoch.
     metrics = output / "runs" / "detached" / "detached" / "version_0" / "metrics.csv"
     header = metrics.read_text().splitlines()[0].split(",")
@@ -271,6 +284,43 @@ def test_audit_and_branch_accuracy(suite: tuple[Path, dict[str, Any]]) -> None:
         chance = runs[name]["chance"][f"acc/{branch}"]
         assert chance < 0.2  # ten digits
         assert runs[name]["test"][f"acc/{branch}"] > 2 * chance, name
+
+
+@needs_data
+@pytest.mark.slow
+def test_the_misplaced_detach_is_named_at_step_0_and_the_right_one_cuts_nothing(
+    suite: tuple[Path, dict[str, Any]],
+) -> None:
+    runs = _runs(suite)
+    early, right = runs["detached_early"]["cut_off"], runs["detached"]["cut_off"]
+    assert list(early["parameters"]) == BEFORE_THE_LAST_LAYER and early["step"] == 0
+    assert early["changed"] == []  # no gradient, so Adam leaves them exactly as initialised
+    assert right["parameters"] == {} and right["trainable"] == early["trainable"] == 14
+    assert runs["detached_early"]["audit"]["main"]["trunk"] == [2, 8]
+    # Training looks normal: the main head learns as well as with the trunk training.
+    early_acc = runs["detached_early"]["test"]["acc/main"]
+    assert early_acc > 5 * runs["detached_early"]["chance"]["acc/main"]
+    for run in ("attached", "detached", "detached_early"):
+        groups = runs[run]["gradients"]["groups"]
+        reached = [g for g, s in groups.items() if s["norm"]["probe"] is not None]
+        assert (
+            reached
+            == {
+                "attached": [
+                    "trunk.0",
+                    "trunk.1",
+                    "trunk.4",
+                    "trunk.5",
+                    "trunk.9",
+                    "branches.probe",
+                ],
+                "detached": ["branches.probe"],
+                "detached_early": ["trunk.9", "branches.probe"],
+            }[run]
+        )
+    report = (suite[0] / "report.md").read_text()
+    assert "| detached_early | 14 | " + ", ".join(BEFORE_THE_LAST_LAYER) + " | 6 of 6 |" in report
+    assert "| detached | 14 | none |  |" in report
 
 
 @needs_data
@@ -323,7 +373,7 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
             "suite",
             "--quick",
             "--ddp",
-            "--only=detached,attached",
+            "--only=detached,attached,detached_early",
             f"--output={tmp_path / 'suite'}",
             f"--data.data_root={SHARED_DATA}",
             f"--data.cache_dir={tmp_path / 'cache'}",
@@ -345,6 +395,9 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
     assert runs["detached"]["grad_delta"] == [0.0] * steps
     assert all(d > 0.0 for d in runs["attached"]["grad_delta"])
     assert results["trunk_vs_reference"]["detached"]["bitwise_equal"] is True
+    # The cut-off trunk runs to the end under DDP too (find_unused_parameters), and is named.
+    assert list(runs["detached_early"]["cut_off"]["parameters"]) == BEFORE_THE_LAST_LAYER
+    assert runs["detached_early"]["cut_off"]["changed"] == []
     assert all(check["ok"] for check in results["checks"])
 
 
