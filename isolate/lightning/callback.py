@@ -20,7 +20,7 @@ from isolate.errors import (
 )
 from isolate.lightning.ddp import applies_at_fit_start, check_trainer, load_state_first, rewrap
 from isolate.lightning.metrics import grad_norms
-from isolate.lightning.state import CheckpointState
+from isolate.lightning.state import CheckpointState, check_before_weights
 from isolate.spec import IsolationSpec, Thaw, ThawKeys, string_list
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
@@ -85,9 +85,9 @@ class IsolationCallback(CheckpointState):
             changed.
         SelectorError: a selector matches nothing, or a ``detach`` / ``clone`` name is not a
             submodule.
-        CheckpointMismatchError: resuming from a checkpoint written under another spec. The
-            isolation is undone, but the weights are the checkpoint's by then: Lightning loads
-            the model's state before any callback sees the checkpoint.
+        CheckpointMismatchError: resuming from a checkpoint written under another spec, or
+            without the callback; checked before the strategy loads the weights, so the model
+            keeps its own.
         GradientLeakError, DriftError, RankDivergenceError: a violation during training
             (``on_violation="raise"``).
 
@@ -186,6 +186,8 @@ class IsolationCallback(CheckpointState):
         self.handle = IsolationHandle.apply(
             self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift
         )
+        # A resume loads the weights before callbacks see the checkpoint: check it first.
+        check_before_weights(trainer, self.state_key, self.handle, _CALLER)
 
     def _restore(self) -> None:
         handle, self.handle = self.handle, None
@@ -218,6 +220,7 @@ class IsolationCallback(CheckpointState):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Take frozen parameters out of the optimizers and plan where thawed ones go."""
+        trainer.strategy.__dict__.pop("load_model_state_dict", None)  # no resume: not needed
         if self.handle is None and applies_at_fit_start(trainer):
             # Resolved by name against the sharded module; a resume thaws what was thawed
             # now, before the strategy loads the optimizer state into the param groups.

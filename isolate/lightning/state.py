@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytorch_lightning as pl
@@ -9,8 +10,45 @@ from pytorch_lightning.callbacks import Callback
 
 from isolate.engine import IsolationHandle
 from isolate.errors import CheckpointMismatchError, IsolationError
+from isolate.state import check_state
 
-__all__ = ["CheckpointState"]
+_NO_STATE = (
+    "IsolationCallback: the checkpoint holds no IsolationCallback state: it was written "
+    "without this callback, so it is unknown what was frozen or thawed. To start a new "
+    "isolation schedule from its weights, load them with "
+    "model.load_state_dict(torch.load(path, weights_only=True)['state_dict']) and call fit() "
+    "without ckpt_path"
+)
+
+__all__ = ["CheckpointState", "check_before_weights"]
+
+
+def check_before_weights(
+    trainer: pl.Trainer, key: str, handle: IsolationHandle, caller: str
+) -> None:
+    """Check the callback's saved state before the strategy loads the model's weights.
+
+    Lightning loads a checkpoint's weights into the model before any callback sees the
+    checkpoint, so a resume refused afterwards would leave the model with the refused run's
+    weights. The strategy's ``load_model_state_dict`` is wrapped, for one call, to check the
+    saved spec first (nothing thaws here; ``load_state_dict`` does that later).
+
+    Raises:
+        CheckpointMismatchError: (at the load) the checkpoint holds no state of this callback,
+            or one written under another spec; the weights are not loaded.
+    """
+    strategy = trainer.strategy
+    original = strategy.load_model_state_dict
+
+    def load_model_state_dict(checkpoint: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        strategy.__dict__.pop("load_model_state_dict", None)  # once
+        states = checkpoint.get("callbacks") or {}
+        if key not in states:
+            raise CheckpointMismatchError(_NO_STATE)
+        check_state(handle.plan.record(), states[key], handle.plan.group_names, caller)
+        return original(checkpoint, *args, **kwargs)
+
+    strategy.__dict__["load_model_state_dict"] = load_model_state_dict
 
 
 class CheckpointState(Callback):
@@ -35,14 +73,7 @@ class CheckpointState(Callback):
         if self.handle is None:
             return
         if self.state_key not in (checkpoint.get("callbacks") or {}):
-            raise CheckpointMismatchError(
-                "IsolationCallback: the checkpoint holds no IsolationCallback state: it was "
-                "written without this callback, so it is unknown what was frozen or thawed. To "
-                "start a new "
-                "isolation schedule from its weights, load them with "
-                "model.load_state_dict(torch.load(path, weights_only=True)['state_dict']) and "
-                "call fit() without ckpt_path"
-            )
+            raise CheckpointMismatchError(_NO_STATE)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check the checkpoint's spec against this one, then thaw what it had thawed.
