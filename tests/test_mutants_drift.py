@@ -143,3 +143,23 @@ def test_exposures_are_named_in_the_model_under_their_first_name() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
     model.requires_grad_(False)
     assert [e.name for e in optimizer_exposure(opt, model)] == ["a.weight"]
+
+
+class _Complex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("c", torch.tensor([1 + 1j, 2 + 0j]))
+
+
+@pytest.mark.parametrize(
+    "new", [torch.tensor([1 + 2j, 2 + 0j]), torch.tensor([1.0, 2.0])], ids=["complex", "real"]
+)
+def test_complex_buffers_are_compared_element_by_element(new: torch.Tensor) -> None:
+    model = _Complex()
+    snap = snapshot(model)
+    model.c = new  # replaced: by a complex tensor, or by a real one that drops the imaginary 1j
+    with pytest.raises(DriftError) as info:
+        snap.assert_unchanged()
+    assert str(info.value).splitlines()[1] == (
+        "  c  (buffer, replaced by a new object) max|Δ|=1.000e+00 in 1 of 2 elements"
+    )

@@ -112,3 +112,26 @@ def test_the_shortest_route_is_the_one_reported(lin: nn.Linear) -> None:
     message = _leak(deep + lin.bias.sum(), lin)
     routes = re.findall(r"Shortest route, to (\w+): (.*)\n", message)
     assert routes == [("bias", "AddBackward0 -> SumBackward0 -> AccumulateGrad")]
+
+
+def test_a_chain_of_layout_operations_is_shown_whole(lin: nn.Linear) -> None:
+    # Arrows point the way gradient flows: TBackward0 gets it from UnsqueezeBackward0.
+    assert "consumed by TBackward0 <- UnsqueezeBackward0\n" in _leak(
+        lin.weight.t().unsqueeze(0), lin
+    )
+    assert "consumed by SumBackward0 (through TBackward0 <- UnsqueezeBackward0)\n" in _leak(
+        lin.weight.t().unsqueeze(0).sum(), lin
+    )
+
+
+class _TwoLeaves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.zeta = nn.Parameter(torch.ones(2))  # first in model order, last by name
+        self.alpha = nn.Parameter(torch.ones(2))
+
+
+def test_of_equally_short_routes_the_first_parameter_in_model_order_is_shown() -> None:
+    model = _TwoLeaves()
+    message = _leak(model.zeta.sum() + model.alpha.sum(), model)
+    assert "Shortest route, to zeta: AddBackward0 -> SumBackward0 -> AccumulateGrad\n" in message
