@@ -346,7 +346,7 @@ def gradient_report_of(data: dict[str, Any]) -> Any:
             numel=d["numel"],
             norms=d["norm"],
             shares=d["share"],
-            cosines={tuple(k.split("|", 1)): v for k, v in d["cosine"].items()},  # type: ignore[misc]
+            cosines={tuple(k.split("|", 1)): v for k, v in d["cosine"].items()},
             frozen=tuple(d["frozen"]),
             frozen_numel=d["frozen_numel"],
         )
