@@ -272,3 +272,69 @@ def test_engine_verify_names_a_misplaced_detach() -> None:
     right = model.head(features).sum() + model.aux(features).sum()
     assert handle.verify(total=right, checks=("reach",)).reach == 12
     handle.restore()
+
+
+def test_a_checkpoint_without_the_callbacks_state_is_refused_at_either_hook(
+    tmp_path: Path,
+) -> None:
+    callback = IsolationCallback(freeze=["trunk"])
+    fit = trainer(tmp_path, [callback], max_epochs=1)
+    fit.fit(Net(), loader())
+    callback.handle = IsolationSpec(freeze=["trunk"]).apply(Net())  # as during a fit
+    try:
+        with pytest.raises(CheckpointMismatchError, match=r"holds no IsolationCallback state"):
+            callback.on_load_checkpoint(fit, fit.lightning_module, {"callbacks": {}})
+    finally:
+        callback.handle.restore()
+        callback.handle = None
+
+
+def test_a_ddp_wrapper_from_another_strategy_cannot_be_rebuilt() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from isolate.lightning.ddp import rewrap
+
+    wrapped = object.__new__(DistributedDataParallel)  # isinstance only: never run
+    fake = types.SimpleNamespace(strategy=types.SimpleNamespace(model=wrapped))
+    with pytest.raises(SpecError, match=r"wrapped in DistributedDataParallel by SimpleNamespace"):
+        rewrap(fake, "IsolationCallback")  # type: ignore[arg-type]
+    plain = types.SimpleNamespace(strategy=types.SimpleNamespace(model=Net()))
+    assert rewrap(plain, "IsolationCallback") is False  # type: ignore[arg-type]
+
+
+def test_the_callback_logs_the_gradient_figure_to_loggers_that_take_figures(
+    tmp_path: Path,
+) -> None:
+    from pytorch_lightning.loggers.logger import Logger
+
+    class FigureLogger(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.figures: list[tuple[str, Any, int]] = []
+            self.experiment = types.SimpleNamespace(
+                add_figure=lambda tag, fig, global_step: self.figures.append(
+                    (tag, fig, global_step)
+                )
+            )
+
+        name = "figures"
+        version = 0
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: Any, step: Any = None) -> None:
+            pass
+
+    logger = FigureLogger()
+    callback = IsolationCallback(detach=["aux"], verify_every_n_steps=3, log_figures=True)
+    trainer(tmp_path, [callback], logger=logger).fit(Net(), loader())
+    assert [(tag, step) for tag, _, step in logger.figures] == [
+        ("isolation/gradients", 0),
+        ("isolation/gradients", 3),
+        ("isolation/gradients", 6),
+    ]
+    figure = logger.figures[0][1]
+    assert figure.axes and "aux" in " ".join(
+        t.get_text() for t in figure.axes[0].get_yticklabels() + figure.axes[0].get_xticklabels()
+    )

@@ -19,7 +19,7 @@ from isolate.errors import (
     SpecError,
 )
 from isolate.lightning.ddp import applies_at_fit_start, check_trainer, load_state_first, rewrap
-from isolate.lightning.metrics import grad_norms
+from isolate.lightning.metrics import grad_norms, log_figure
 from isolate.lightning.state import CheckpointState, check_before_weights
 from isolate.spec import IsolationSpec, Thaw, ThawKeys, string_list
 
@@ -71,6 +71,10 @@ class IsolationCallback(CheckpointState):
         on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` with an
             :class:`~isolate.IsolationWarning` and carry on.
         log_grad_norms: whether to log gradient norms per group at each check.
+        log_figures: whether to log, at each check, the losses x groups figure of
+            :func:`isolate.gradient_report` (with the parameters cut off from the loss) to the
+            loggers that take figures (TensorBoard's ``add_figure``). Costs one
+            ``autograd.grad`` per named loss at check steps; needs matplotlib.
         expected_unused: selectors of parameters that may go without gradient on a step
             (a mixture-of-experts expert no token was routed to). Every other trainable
             parameter must be reached by the loss backpropagated at each check step and on
@@ -133,6 +137,7 @@ class IsolationCallback(CheckpointState):
         verify_every_n_steps: int = 50,
         on_violation: Literal["raise", "warn"] = "raise",
         log_grad_norms: bool = True,
+        log_figures: bool = False,
         drift: Literal["fingerprint", "copy"] = "fingerprint",
         expected_unused: list[str] | None = None,
     ) -> None:
@@ -151,6 +156,7 @@ class IsolationCallback(CheckpointState):
         self.verify_every_n_steps = verify_every_n_steps
         self.on_violation: Literal["raise", "warn"] = on_violation
         self.log_grad_norms = bool(log_grad_norms)
+        self.log_figures = bool(log_figures)
         self.drift: Literal["fingerprint", "copy"] = drift
         self.expected_unused = string_list(expected_unused, "expected_unused", _CALLER)
         self.handle: IsolationHandle | None = None
@@ -303,6 +309,8 @@ class IsolationCallback(CheckpointState):
         _check_named(pl_module, losses, self.spec.protect)
         self._losses_seen = True
         self._check(("losses",), f"at step {trainer.global_step}", losses)
+        if self.log_figures:
+            log_figure(trainer, pl_module, losses, loss, self.expected_unused)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+import pytorch_lightning as pl
 import torch
 from torch import nn
 
 from isolate.engine import IsolationHandle
+from isolate.gradients import gradient_report
+from isolate.reach import cut_off_parameters
 
-__all__ = ["grad_norms"]
+__all__ = ["grad_norms", "log_figure"]
 
 
 def grad_norms(handle: IsolationHandle, prefix: str = "isolation/grad_norm/") -> dict[str, float]:
@@ -38,3 +43,31 @@ def grad_norms(handle: IsolationHandle, prefix: str = "isolation/grad_norm/") ->
             )
         metrics[prefix + name] = norm
     return metrics
+
+
+def log_figure(
+    trainer: pl.Trainer,
+    model: nn.Module,
+    losses: Mapping[str, torch.Tensor],
+    total: torch.Tensor,
+    expected_unused: Sequence[str],
+    tag: str = "isolation/gradients",
+) -> int:
+    """Draw the losses x groups figure of this step and hand it to every logger that takes
+    figures (``logger.experiment.add_figure``, as TensorBoard's); return how many did.
+
+    Every rank computes the report (its ``autograd.grad`` calls are collectives under
+    FSDP2); rank zero logs.
+    """
+    report = gradient_report(losses, model)
+    figure = report.figure(
+        cut_off=cut_off_parameters(total, model, expected_unused=expected_unused)
+    )
+    logged = 0
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
+            if add_figure is not None:
+                add_figure(tag, figure, global_step=trainer.global_step)
+                logged += 1
+    return logged
