@@ -93,6 +93,29 @@ class DriftWatch:
         current = {**names.params, **names.buffers}
         self._saved = {n: self._keep(current[n]) for n in [*self.params, *self.buffers]}
 
+    @classmethod
+    def of(
+        cls,
+        plan: Plan,
+        frozen: Mapping[str, nn.Parameter],
+        norms: Mapping[str, nn.Module],
+        *,
+        copy: bool = False,
+    ) -> DriftWatch:
+        """Watch the ``frozen`` parameters, and the buffers of the held ``norms`` when the
+        spec holds BatchNorm in eval mode."""
+        buffers = (
+            [
+                plan.names.of_id[id(b)]
+                for m in norms.values()
+                for b in m.buffers(recurse=False)
+                if id(b) in plan.names.of_id
+            ]
+            if plan.spec.bn == "eval"
+            else []
+        )
+        return cls(plan.model, list(frozen), buffers, copy=copy)
+
     def _keep(self, t: torch.Tensor) -> torch.Tensor | int:
         return t.detach().to("cpu", copy=True) if self.copy else fingerprint(t)
 

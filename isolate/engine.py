@@ -27,11 +27,11 @@ from isolate.errors import (
 )
 from isolate.freezing import FreezeHandle
 from isolate.optimizers import OptimizerLink, Optimizers, as_optimizers, place
-from isolate.plan import Plan, resolve, shown
+from isolate.plan import Plan, resolve
 from isolate.schedule import Clock
 from isolate.sharding import check_wrappers, settle
 from isolate.spec import IsolationSpec
-from isolate.state import FORMAT, check_state, plain
+from isolate.state import check_state, saved_state
 from isolate.thawing import Thaws
 
 __all__ = ["CHECKS", "IsolationHandle", "Optimizers"]
@@ -175,17 +175,7 @@ class IsolationHandle:
         """
         self._require_active("attach")
         opts = as_optimizers(optimizers, f"{self._caller}.attach()")
-        gone = [
-            n
-            for n, m in self.plan.norms.items()
-            if id(m) not in set(map(id, self.plan.model.modules()))
-        ]
-        if gone and self.plan.spec.bn == "eval":
-            raise SpecError(
-                f"{self._caller}: {len(gone)} frozen BatchNorm layers were replaced after the "
-                f"spec was applied (sync_batchnorm, or a configure_model hook), so bn='eval' no "
-                f"longer holds them: {shown(gone)}. Build the layers first, or use bn='train'"
-            )
+        self.plan.check_norms_present(self._caller)
         self._link.attach(
             self.plan, opts, schedulers, list(self._thaws.applied), self.frozen_parameters()
         )
@@ -321,19 +311,8 @@ class IsolationHandle:
         return verification
 
     def _new_watch(self) -> DriftWatch:
-        norms = self.frozen_norms()
-        buffers = (
-            [
-                self.plan.names.of_id[id(b)]
-                for m in norms.values()
-                for b in m.buffers(recurse=False)
-                if id(b) in self.plan.names.of_id
-            ]
-            if self.plan.spec.bn == "eval"
-            else []
-        )
-        return DriftWatch(
-            self.plan.model, list(self.frozen_parameters()), buffers, copy=self.drift == "copy"
+        return DriftWatch.of(
+            self.plan, self.frozen_parameters(), self.frozen_norms(), copy=self.drift == "copy"
         )
 
     @property
@@ -356,21 +335,14 @@ class IsolationHandle:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the spec stands, by parameter name, in plain types (``weights_only`` loads it)."""
-        state: dict[str, Any] = plain(
-            {
-                "format": FORMAT,
-                "spec": self.plan.record(),
-                "frozen": list(self.frozen),
-                "thawed": [{"name": n, **at} for n, at in self._thaws.applied.items()],
-                "phases": self._thaws.phases.state_dict(),
-                "layout": [  # param names by group, to rewrite optimizer states (isolate.leave)
-                    [[self.plan.names.name(p) for p in g["params"]] for g in opt.param_groups]
-                    for opt in self._link.optimizers
-                ],
-            },
+        return saved_state(
+            self.plan,
+            self.frozen,
+            self._thaws.applied,
+            self._thaws.phases.state_dict(),
+            self._link.optimizers,
             self._caller,
         )
-        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Thaw what the saved state had thawed, without freezing anything again.

@@ -126,6 +126,18 @@ class Plan:
     def group_names(self) -> list[str]:
         return [g.name for g in self.groups]
 
+    def check_norms_present(self, caller: str) -> None:
+        """Refuse when held BatchNorm layers were replaced since the plan was made
+        (``sync_batchnorm``, a ``configure_model`` hook): ``bn="eval"`` no longer holds them."""
+        present = {id(m) for m in self.model.modules()}
+        gone = [n for n, m in self.norms.items() if id(m) not in present]
+        if gone and self.spec.bn == "eval":
+            raise SpecError(
+                f"{caller}: {len(gone)} frozen BatchNorm layers were replaced after the spec was "
+                f"applied (sync_batchnorm, or a configure_model hook), so bn='eval' no longer "
+                f"holds them: {shown(gone)}. Build the layers first, or use bn='train'"
+            )
+
     def held_buffers(self) -> list[str]:
         """Names of the buffers of the BatchNorm layers ``bn="eval"`` holds."""
         if self.spec.bn != "eval":

@@ -8,13 +8,15 @@ the differences named.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from isolate.errors import CheckpointMismatchError, IsolationTypeError
-from isolate.plan import shown
+import torch
 
-__all__ = ["FORMAT", "check_state", "plain"]
+from isolate.errors import CheckpointMismatchError, IsolationTypeError
+from isolate.plan import Plan, shown
+
+__all__ = ["FORMAT", "check_state", "plain", "saved_state"]
 
 FORMAT = 1
 
@@ -38,6 +40,32 @@ def plain(value: object, caller: str) -> Any:
         f"{caller}: cannot save {type(value).__name__} {value!r} in the isolation state; "
         f"expected plain str, int, float, bool, None, lists and dicts"
     )
+
+
+def saved_state(
+    plan: Plan,
+    frozen: Sequence[str],
+    thawed: Mapping[str, Mapping[str, int]],
+    phases: object,
+    optimizers: Sequence[torch.optim.Optimizer],
+    caller: str,
+) -> dict[str, Any]:
+    """Where an applied spec stands, by parameter name, in plain types."""
+    state: dict[str, Any] = plain(
+        {
+            "format": FORMAT,
+            "spec": plan.record(),
+            "frozen": list(frozen),
+            "thawed": [{"name": n, **at} for n, at in thawed.items()],
+            "phases": phases,
+            "layout": [  # param names by group, to rewrite optimizer states (isolate.leave)
+                [[plan.names.name(p) for p in g["params"]] for g in opt.param_groups]
+                for opt in optimizers
+            ],
+        },
+        caller,
+    )
+    return state
 
 
 def check_state(
