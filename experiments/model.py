@@ -322,6 +322,33 @@ class IsolationNet(pl.LightningModule):
 
     # -- Lightning hooks --------------------------------------------------------------------
 
+    def configure_model(self) -> None:
+        """Shard the trunk, the head and each branch with FSDP2 under ``ModelParallelStrategy``.
+
+        Without a device mesh (any other strategy) this does nothing. Each part is a unit of its
+        own, so a frozen trunk is a unit apart from what trains; the root is sharded last and
+        holds no parameter, because ``training_step`` calls the parts, never ``self(x)``, and
+        a parameter left to the root would never be all-gathered for the forward.
+        """
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self, FSDPModule):  # configure_model may run again (a second fit)
+            return
+        for module in (self.trunk, self.head, *self.branches.values(), self):
+            fully_shard(module, mesh=mesh["data_parallel"])
+
+    def on_fit_end(self) -> None:
+        # A unit can stay unsharded after validation (no backward reshards it): its registered
+        # parameters are then FSDP's temporaries, which the strategy's model.to() at the next
+        # Trainer call (test) cannot swap. Resharding frees them and communicates nothing.
+        for module in self.modules():
+            reshard = getattr(module, "reshard", None)
+            if callable(reshard) and self.device_mesh is not None:
+                reshard()
+
     def setup(self, stage: str) -> None:
         # Before the optimizer is built and before DDP wraps the model, as a freeze must be.
         if stage == "fit" and not self.trunk_requires_grad and self._trunk_flags is None:

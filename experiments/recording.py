@@ -1,12 +1,15 @@
 """Measuring one training run for the suite's report: the :class:`Recorder` callback.
 
 Everything the report shows about a run is measured here, in the run's own process, so the same
-numbers come out of an in-process run and of a run under DDP in subprocesses:
+numbers come out of an in-process run and of a run under DDP or FSDP2 in subprocesses:
 
 * per step, the trunk's gradient after backward (the gradient the optimizer applies, averaged
-  over processes under DDP), saved as a reference or compared with a reference run's;
+  over processes under DDP; under FSDP2 each parameter's full gradient, gathered from its
+  shards), saved as a reference or compared with a reference run's;
 * per step, how far the trunk (parameters *and* buffers, BatchNorm statistics included) has
-  drifted from where it started;
+  drifted from where it started, the largest over every process (under FSDP2 each process
+  compares the shards it holds, and its own BatchNorm buffers, which FSDP2 does not
+  synchronise);
 * at the first step, which parameters each loss can reach (:func:`reachable_parameters`),
   which trainable parameters the loss backpropagated cannot reach, and why
   (:func:`isolate.cut_off_parameters` over a forward run inside :func:`isolate.trace_forward`),
@@ -17,9 +20,12 @@ numbers come out of an in-process run and of a run under DDP in subprocesses:
   ``trainer.test`` measures on the test split after ``fit``;
 * an exception that stopped the run, by type and message.
 
-The result is ``run.json`` in ``output`` (plus ``trunk.pt``, the trunk's final state, and, with
-``save_grads``, ``grads.pt``), written by the process of global rank 0 at the end of ``fit``
-and again, with the test accuracies, at the end of ``trainer.test``.
+The result is ``run.json`` in ``output`` (plus ``trunk.pt``, the trunk's final state, full
+tensors, and, with ``save_grads``, ``grads.pt``), written by the process of global rank 0 at the
+end of ``fit`` and again, with the test accuracies, at the end of ``trainer.test``. Every
+process takes part in the gathers and reductions before that; after an exception none is
+attempted (the processes may not all have stopped at the same point), so a sharded run that
+stopped keeps no ``trunk.pt``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch import nn
 from experiments.formats import jsonable
 from isolate import cut_off_parameters, gradient_report, reachable_parameters, trace_forward
 from isolate.drift import max_abs_diff, snapshot
+from isolate.sharding import canonical_parameters
 
 __all__ = ["RUN_FILE", "Recorder", "load_run"]
 
@@ -48,6 +55,41 @@ TRUNK_FILE = "trunk.pt"
 
 def _float(value: Any) -> float:
     return float(value.detach().cpu()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's shards gathered (a collective: every process calls it, in
+    the same order), any other tensor as it is."""
+    return t.full_tensor() if _is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds: a DTensor's shard, any other tensor whole."""
+    return t.to_local() if _is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def _parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s named parameters, each FSDP2 temporary replaced by its sharded parameter,
+    so that every read, during a step or between steps, sees the same objects."""
+    return canonical_parameters(module, dict(module.named_parameters()), "Recorder")
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _max_over_processes(values: list[float]) -> list[float]:
+    """Each value's maximum over the processes (a collective), or ``values`` in one process."""
+    if not values or not _distributed():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return [float(v) for v in tensor.tolist()]
 
 
 class Recorder(pl.Callback):
@@ -192,9 +234,11 @@ class Recorder(pl.Callback):
             "parameters": dict(cut.parameters),
             "unseen": list(cut.unseen),
         }
+        # This process's shard of each (the whole tensor without sharding); compared at the
+        # end with the same shard, and the verdict is reduced over the processes.
         self._cut_at_start = {
-            name: p.detach().clone()
-            for name, p in pl_module.named_parameters()
+            name: _local(p).detach().clone()
+            for name, p in _parameters(pl_module).items()
             if name in cut.parameters
         }
         if named:
@@ -205,15 +249,24 @@ class Recorder(pl.Callback):
         trunk = self._trunk(pl_module)
         if trunk is None:
             return
-        params = list(trunk.parameters())
+        params = list(_parameters(trunk).values())
         if not any(p.grad is not None for p in params):
             self.record["grad_norm"].append(None)
             if self.record["grad_delta"] is not None:
                 self.record["grad_delta"].append(None)
             return
+        # Under FSDP2 each grad is this process's shard of the averaged gradient: one gather
+        # per parameter gives the whole gradient, the same on every process.
         flat = torch.cat(
             [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).cpu()
+                (
+                    _full(p.grad)
+                    if p.grad is not None
+                    else torch.zeros(p.shape, dtype=p.dtype, device=_local(p).device)
+                )
+                .detach()
+                .reshape(-1)
+                .cpu()
                 for p in params
             ]
         )
@@ -240,9 +293,13 @@ class Recorder(pl.Callback):
             self._append("train", key, value)
         if self._snapshot is not None:
             moved = self._snapshot.changed()
-            drift = self.record["drift"]
-            for kind, names in self._names.items():
-                drift[kind].append(max((d for n, d in moved.items() if n in names), default=0.0))
+            kinds = list(self._names)
+            values = [
+                max((d for n, d in moved.items() if n in self._names[kind]), default=0.0)
+                for kind in kinds
+            ]
+            for kind, value in zip(kinds, _max_over_processes(values), strict=True):
+                self.record["drift"][kind].append(value)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or not self.record:
@@ -288,33 +345,48 @@ class Recorder(pl.Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_trace()
         record = self.record
+        # Collectives only after a fit that ended normally, which every process reaches.
+        together = record["status"] == "ok" or not _distributed()
         if "cut_off" in record:
-            now = dict(pl_module.named_parameters())
-            record["cut_off"]["changed"] = [
-                name
+            now = _parameters(pl_module)
+            moved = [
+                float(not torch.equal(start, _local(now[name]).detach()))
                 for name, start in self._cut_at_start.items()
-                if not torch.equal(start, now[name].detach())
+            ]
+            if together:
+                moved = _max_over_processes(moved)
+            record["cut_off"]["changed"] = [
+                name for name, flag in zip(self._cut_at_start, moved, strict=True) if flag
             ]
         record["seconds"] = time.perf_counter() - self._start
         record["steps"] = trainer.global_step
         if self._snapshot is not None:
             changed = self._snapshot.changed()
-            record["drift_final"] = {
-                kind: max((d for n, d in changed.items() if n in names), default=0.0)
-                for kind, names in self._names.items()
-            }
+            kinds = list(self._names)
+            values = [
+                max((d for n, d in changed.items() if n in self._names[kind]), default=0.0)
+                for kind in kinds
+            ]
+            if together:
+                values = _max_over_processes(values)
+            record["drift_final"] = dict(zip(kinds, values, strict=True))
             record["drift_final"]["moved"] = changed
             record["drift_final"]["checked"] = list(self._snapshot.names)
+        trunk = self._trunk(pl_module)
+        state = None
+        if trunk is not None and together:
+            state = {k: _full(v).detach().cpu().clone() for k, v in trunk.state_dict().items()}
+        # The snapshot's and the start values' references would keep FSDP2's sharded parameters
+        # from being swapped when the strategy moves the model again (trainer.test).
+        self._snapshot, self._cut_at_start = None, {}
         if trainer.is_global_zero and self.output is not None:
-            self._write(self.output, pl_module)
+            self._write(self.output, state)
         if self.verbose and trainer.is_global_zero and record["status"] != "ok":
             print(summary_line(record), flush=True)
 
-    def _write(self, output: Path, pl_module: pl.LightningModule) -> None:
+    def _write(self, output: Path, state: dict[str, torch.Tensor] | None) -> None:
         output.mkdir(parents=True, exist_ok=True)
-        trunk = self._trunk(pl_module)
-        if trunk is not None:
-            state = {k: v.detach().cpu().clone() for k, v in trunk.state_dict().items()}
+        if state is not None:
             torch.save(state, output / TRUNK_FILE)
         if self.save_grads and self._grads:
             torch.save(torch.stack(self._grads), output / GRADS_FILE)
