@@ -29,13 +29,15 @@ from experiments.sections import ZERO_STYLES, pyplot, render_declared, save, ste
 __all__ = ["write_report"]
 
 _TITLES = {"mnist": "MNIST", "fashion_mnist": "Fashion-MNIST"}
+# What the report calls the Lightning strategies the runs record (``type(strategy).__name__``).
+_ENGINES = {"DDPStrategy": "DDP", "ModelParallelStrategy": "FSDP2"}
 
 
 def write_report(results: dict[str, Any], output: Path) -> list[Path]:
     """Write the report files into ``output``; returns their paths, ``report.md`` first."""
     output.mkdir(parents=True, exist_ok=True)
     (output / "results.json").write_text(json.dumps(jsonable(results), indent=1))
-    lines = [*_header(results), *_checks(results), *_runs(results)]
+    lines = [*_header(results), *_checks(results), *_runs(results), *_skipped(results)]
     lines += _gradients(results, output)
     lines += _audit(results)
     lines += _accuracy(results, output)
@@ -60,17 +62,14 @@ def _header(results: dict[str, Any]) -> list[str]:
     dataset = setup["data"].get("split", {}).get("dataset", "mnist")
     threads = setup["threads"]
     threads_text = "torch's default threads" if threads is None else f"{threads} thread(s)"
-    mode = (
-        f"DDP, 2 CPU processes, {threads_text} each"
-        if setup["ddp"]
-        else f"1 process, {threads_text}"
-    )
+    mode = _mode(runs, threads_text)
     references = [n for n, v in results["variants"].items() if v.get("reference") and n in runs]
     steps = ", ".join(f"{n} took {runs[n].get('steps')} optimizer steps" for n in references)
     command = (
         "python -m experiments suite"
         + " --quick" * setup["quick"]
         + " --ddp" * setup["ddp"]
+        + " --fsdp" * bool(setup.get("fsdp"))
         + (f" --data.dataset={dataset}" if dataset != "mnist" else "")
     )
     return [
@@ -92,6 +91,42 @@ def _header(results: dict[str, Any]) -> list[str]:
         "keeps). The same machine, thread count and versions give the same numbers, bit for "
         "bit; another machine, thread count or torch build may change the last bits, and "
         "then the curves drift apart over the steps.",
+        "",
+    ]
+
+
+def _mode(runs: dict[str, Any], threads_text: str) -> str:
+    """How the runs ran, from what each recorded: its Lightning strategy and process count."""
+    ran = sorted(
+        {(str(r["strategy"]), int(r["world_size"])) for r in runs.values() if "strategy" in r}
+    )
+    if not ran:
+        return f"1 process, {threads_text}"
+    parts = []
+    for strategy, processes in ran:
+        if processes == 1:
+            parts.append(f"1 process, {threads_text}")
+            continue
+        engine = _ENGINES.get(strategy)
+        name = f"{engine} (Lightning's {strategy})" if engine else strategy
+        parts.append(f"{name}, {processes} CPU processes, {threads_text} each")
+    return "; ".join(parts)
+
+
+def _skipped(results: dict[str, Any]) -> list[str]:
+    skipped = results.get("skipped") or {}
+    if not skipped:
+        return []
+    rows = [
+        [name, results["variants"].get(name, {}).get("role", ""), why]
+        for name, why in skipped.items()
+    ]
+    return [
+        "## Not run",
+        "",
+        "These variants were chosen but not run, so none of their claims is checked above.",
+        "",
+        table(["variant", "what it shows", "why not"], rows),
         "",
     ]
 

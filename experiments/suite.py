@@ -5,16 +5,19 @@
     python -m experiments suite                       # writes outputs/suite/report.md
     python -m experiments suite --quick               # a short version of every run
     python -m experiments suite --ddp                 # every run under DDP, 2 CPU processes
+    python -m experiments suite --fsdp                # every run under FSDP2, 2 CPU processes
 
 Each variant is one ``configs/<variant>.yaml`` (see :mod:`experiments.variants`: its
 ``variant:`` block declares what it claims and how it is reported), run as one ``fit`` of
 ``python -m experiments`` (plus ``configs/presets/quick.yaml`` with ``--quick``,
-``configs/presets/ddp.yaml`` with ``--ddp``, and any ``--config``), measured by
-:class:`~experiments.recording.Recorder`. The run others are compared with runs first and saves
-its trunk gradient of every step (``grads.pt``); every run that declares ``compare_with``
-compares its own with it, step by step. Runs go in-process, or, when the strategy is DDP
-(which relaunches the command line in new processes), each as ``python -m experiments fit ...``
-in a subprocess.
+``configs/presets/ddp.yaml`` with ``--ddp``, ``configs/presets/fsdp.yaml`` with ``--fsdp``, and
+any ``--config``), measured by :class:`~experiments.recording.Recorder`. The run others are
+compared with runs first and saves its trunk gradient of every step (``grads.pt``); every run
+that declares ``compare_with`` compares its own with it, step by step. Runs go in-process, or,
+when the run has more than one device (DDP and FSDP2 relaunch the command line in new
+processes), each as ``python -m experiments fit ...`` in a subprocess. Under
+``ModelParallelStrategy`` (FSDP2) a variant whose model has no ``configure_model`` to shard it
+is not run: the report lists it as skipped, with that reason, and its claims are not checked.
 
 Every run's ``command.txt`` holds the command that repeats it, from the suite's working
 directory, with the suite's thread count (``--threads``); the files it reads (``grads.pt``) are
@@ -46,6 +49,7 @@ import yaml
 
 from experiments.claims import evaluate_checks
 from experiments.cli import (
+    BASE_PRESET,
     CONFIGS,
     PROG,
     REPO,
@@ -73,17 +77,55 @@ DESCRIPTION = (
 # Running
 
 
-def _is_ddp(configs: Sequence[Path], overrides: Sequence[str]) -> bool:
-    strategy = ""
+def _setting(configs: Sequence[Path], overrides: Sequence[str], key: str) -> Any:
+    """The value of ``trainer.<key>`` that the last config or override giving it sets."""
+    value: Any = None
     for path in configs:
         loaded = yaml.safe_load(path.read_text()) or {}
-        value = (loaded.get("trainer") or {}).get("strategy")
-        if value is not None:
-            strategy = str(value)
+        value = (loaded.get("trainer") or {}).get(key, value)
     for arg in overrides:
-        if arg.startswith("--trainer.strategy="):
-            strategy = arg.partition("=")[2]
-    return strategy.startswith("ddp")
+        if arg.startswith(f"--trainer.{key}="):
+            value = yaml.safe_load(arg.partition("=")[2])
+    return value
+
+
+def _strategy(configs: Sequence[Path], overrides: Sequence[str]) -> str:
+    """The strategy's name as written (``ddp``), or its class's for a ``class_path``."""
+    value = _setting(configs, overrides, "strategy")
+    if isinstance(value, dict):
+        return str(value.get("class_path", "")).rpartition(".")[2]
+    return "" if value is None else str(value)
+
+
+def _launches_processes(configs: Sequence[Path], overrides: Sequence[str]) -> bool:
+    devices = _setting(configs, overrides, "devices")
+    return _strategy(configs, overrides).startswith("ddp") or (
+        isinstance(devices, int) and devices > 1
+    )
+
+
+def _unshardable(variant: Variant, strategy: str) -> str | None:
+    """Why ``variant`` cannot run under ``strategy``, or ``None``.
+
+    ``ModelParallelStrategy`` refuses a LightningModule without its own ``configure_model``
+    (which shards it); such a run would only stop with Lightning's error.
+    """
+    if strategy != "ModelParallelStrategy":
+        return None
+    import importlib
+
+    import pytorch_lightning as pl
+
+    loaded = yaml.safe_load(variant.config.read_text()) or {}
+    class_path = str((loaded.get("model") or {}).get("class_path", ""))
+    module, _, name = class_path.rpartition(".")
+    model = getattr(importlib.import_module(module), name, None) if module else None
+    if isinstance(model, type) and model.configure_model is not pl.LightningModule.configure_model:
+        return None
+    return (
+        f"{name or 'its model'} has no configure_model to shard it with fully_shard, which "
+        f"ModelParallelStrategy requires"
+    )
 
 
 def _run_in_process(args: list[str]) -> None:
@@ -153,7 +195,7 @@ def run_variant(
     command = " ".join(shlex.quote(arg) for arg in [*PROG.split(), *args])
     (run_dir / "command.txt").write_text(command + "\n")
     crash: str | None = None
-    if _is_ddp(configs, overrides):
+    if _launches_processes(configs, overrides):
         code = _run_subprocess(args, run_dir / "log.txt")
         if code != 0 and not (run_dir / RUN_FILE).exists():
             crash = f"exit status {code}; see {display_path(run_dir / 'log.txt')}"
@@ -198,6 +240,7 @@ def run_suite(
     *,
     quick: bool = False,
     ddp: bool = False,
+    fsdp: bool = False,
     configs: Sequence[Path] = (),
     overrides: Sequence[str] = (),
     only: Sequence[str] | None = None,
@@ -216,6 +259,9 @@ def run_suite(
         quick: add ``configs/presets/quick.yaml`` to every run.
         ddp: add ``configs/presets/ddp.yaml`` to every run (each run then goes in a
             subprocess of 2 DDP processes).
+        fsdp: add ``configs/presets/fsdp.yaml`` to every run (FSDP2 through
+            ``ModelParallelStrategy``; each run goes in a subprocess of 2 processes). A
+            variant whose model cannot be sharded is skipped, with the reason in the report.
         configs: more config files added to every run, after the presets.
         overrides: more ``--key=value`` arguments for every run.
         only: run only these variants, and the runs they are compared with.
@@ -242,10 +288,12 @@ def run_suite(
         to ``timings.json``.
 
     Raises:
-        ValueError: ``only`` names an unknown variant.
+        ValueError: ``only`` names an unknown variant, or both ``ddp`` and ``fsdp`` are set.
     """
     from experiments import report
 
+    if ddp and fsdp:
+        raise ValueError("ddp and fsdp are two strategies: choose one")
     start = time.perf_counter()
     quiet_known_noise()
     # Every run prints "Seed set to 0"; the report states the seed once.
@@ -258,8 +306,14 @@ def run_suite(
     data = _prepare_data(root, cache_dir, download, dataset)
     print(f"suite: {len(chosen)} runs into {display_path(output)}", flush=True)
     print(f"data: {data['note']}", flush=True)
-    builtin = [PRESETS / "quick.yaml"] * quick + [PRESETS / "ddp.yaml"] * ddp
+    builtin = (
+        [PRESETS / "quick.yaml"] * quick
+        + [PRESETS / "ddp.yaml"] * ddp
+        + [PRESETS / "fsdp.yaml"] * fsdp
+    )
     presets = [*builtin, *(Path(c).resolve() for c in configs)]
+    strategy = _strategy([BASE_PRESET, *presets], overrides)
+    devices = _setting([BASE_PRESET, *presets], overrides, "devices")
     # Runs share the suite's working directory (subprocesses too), so a relative root holds.
     data_args = [
         f"--data.data_root={data['data_root']}",
@@ -271,10 +325,16 @@ def run_suite(
     previous_threads = torch.get_num_threads()
     previous_omp = os.environ.get("OMP_NUM_THREADS")
     records: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
     timings: dict[str, dict[str, float | None]] = {}
     try:
         for i, variant in enumerate(chosen, 1):
             print(f"[{i}/{len(chosen)}] {variant.name}: {variant.role}", flush=True)
+            reason = _unshardable(variant, strategy)
+            if reason is not None:
+                skipped[variant.name] = f"not run under {strategy}: {reason}"
+                print(f"    skipped: {skipped[variant.name]}", flush=True)
+                continue
             reference = None
             if variant.compare_with is not None:
                 candidate = runs / variant.compare_with / GRADS_FILE
@@ -311,6 +371,9 @@ def run_suite(
         "setup": {
             "quick": quick,
             "ddp": ddp,
+            "fsdp": fsdp,
+            "strategy": strategy or "auto",
+            "devices": devices,
             "presets": [_relative(p) for p in (*builtin, *map(Path, configs))],
             "overrides": list(overrides),
             "threads": threads,
@@ -320,6 +383,7 @@ def run_suite(
         },
         "variants": {v.name: v.declaration() for v in chosen},
         "runs": records,
+        "skipped": skipped,
         "trunk_vs_reference": _compare_trunks(runs, chosen, records),
     }
     results["checks"] = evaluate_checks(results)
@@ -336,6 +400,8 @@ def run_suite(
     )
     for check in failed:
         print(f"  FAILED {check['variant']}: {check['check']}: {check['observed']}", flush=True)
+    for name, reason in skipped.items():
+        print(f"  SKIPPED {name}: {reason}", flush=True)
     return results
 
 
@@ -426,6 +492,12 @@ def build_parser() -> ExperimentParser:
         "--ddp", action="store_true", help="add configs/presets/ddp.yaml (2 CPU processes)"
     )
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="add configs/presets/fsdp.yaml (FSDP2 through ModelParallelStrategy, 2 CPU "
+        "processes); variants whose model cannot be sharded are skipped, with the reason",
+    )
+    parser.add_argument(
         "--config", action="append", default=[], help="another config for every run (repeat)"
     )
     parser.add_argument(
@@ -506,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(options.output),
             quick=options.quick,
             ddp=options.ddp,
+            fsdp=options.fsdp,
             configs=[Path(c) for c in options.config],
             overrides=overrides,
             only=options.only.split(",") if options.only else None,
@@ -517,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dataset=options.data.dataset,
         )
     except ValueError as error:
-        if "unknown variants" not in str(error):
+        if "unknown variants" not in str(error) and "choose one" not in str(error):
             raise
         build_parser().error(str(error))
     return 0 if all(check["ok"] for check in results["checks"]) else 1
