@@ -4,10 +4,11 @@ One run (``configs/presets/base.yaml`` is loaded first, then each ``--config`` i
 
     python -m experiments fit --config configs/detached.yaml
     python -m experiments fit --config configs/detached.yaml --config configs/presets/ddp.yaml
+    python -m experiments fit --config configs/detached.yaml --config configs/presets/fsdp.yaml
 
 The suite, which runs every variant and writes the report (see :mod:`experiments.suite`)::
 
-    python -m experiments suite [--output outputs/suite] [--quick] [--ddp]
+    python -m experiments suite [--output outputs/suite] [--quick] [--ddp | --fsdp]
 
 A run logs its metrics (per step and per epoch) with the logger of ``trainer.logger``, a
 ``CSVLogger`` by default, in ``<trainer.default_root_dir>/<run name>/version_<n>/``; after
