@@ -9,6 +9,7 @@ module twin.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import warnings
 import weakref
@@ -107,37 +108,80 @@ def _pop_policy(module: nn.Module, seq: int) -> None:
         del module._forward_pre_hooks[key]
 
 
+_dtype = operator.attrgetter("dtype")
+# Types whose requires_grad_ is torch's own, so assigning .requires_grad does the same thing
+# (the same leaf and inference-tensor checks) at half the cost of the method call. A subclass
+# may override requires_grad_, and then gets its method called.
+_PLAIN = frozenset({nn.Parameter, torch.Tensor})
+
+
 def _check_params(
     model: nn.Module, caller: str, params: dict[str, nn.Parameter], requires_grad: bool
-) -> None:
-    """Everything that could make a flag flip fail, checked before the first one."""
-    lazy = [name for name, p in params.items() if isinstance(p, UninitializedParameter)]
-    if lazy:
+) -> tuple[list[nn.Parameter], bool]:
+    """Everything that could make a flag flip fail, checked before the first one.
+
+    Returns the parameters as a list, and whether all of them are of a type in ``_PLAIN``.
+
+    Each check is one C-level pass (over the distinct types, dtypes, or ``is_inference``)
+    that finds whether anything is wrong; only then are the culprits named, by a second pass.
+    On 10,000 tensors a Python-level ``isinstance`` per parameter alone cost as much as the
+    flag flips it guards.
+    """
+    values = list(params.values())
+    kinds = set(map(type, values))
+    if any(issubclass(kind, UninitializedParameter) for kind in kinds):
+        lazy = [name for name, p in params.items() if isinstance(p, UninitializedParameter)]
         raise IsolationTypeError(
             f"{caller}: {_names(lazy)} of {type(model).__name__} are uninitialized lazy "
             f"parameters (UninitializedParameter, from nn.LazyLinear and friends), whose "
             f"requires_grad cannot be set; nothing was changed. Fix: run one forward pass with "
             f"a sample batch first, so they are created, then call {caller} again"
         )
-    if requires_grad:
+    if requires_grad and not all(
+        d.is_floating_point or d.is_complex for d in set(map(_dtype, values))
+    ):
         integral = [name for name, p in params.items() if not is_float(p)]
-        if integral:
-            raise IsolationTypeError(
-                f"{caller}: parameters {integral} are not floating point, so they cannot "
-                f"require grad; leave them out of the selection (e.g. with a predicate)"
-            )
+        raise IsolationTypeError(
+            f"{caller}: parameters {integral} are not floating point, so they cannot "
+            f"require grad; leave them out of the selection (e.g. with a predicate)"
+        )
     # requires_grad=True cannot be set on an inference tensor (a parameter created under
     # torch.inference_mode()): not by unfreeze, and not by the restore() of a freeze.
-    stuck = [
-        name for name, p in params.items() if p.is_inference() and p.requires_grad != requires_grad
-    ]
-    if stuck:
-        raise IsolationTypeError(
-            f"{caller}: {_names(stuck)} of {type(model).__name__} were created under "
-            f"torch.inference_mode(), so requires_grad=True can never be set on them again "
-            f"and this change could not be undone; nothing was changed. Fix: create the model "
-            f"outside inference_mode (or clone its parameters outside it)"
-        )
+    if any(map(torch.Tensor.is_inference, values)):
+        stuck = [
+            name
+            for name, p in params.items()
+            if p.is_inference() and p.requires_grad != requires_grad
+        ]
+        if stuck:
+            raise IsolationTypeError(
+                f"{caller}: {_names(stuck)} of {type(model).__name__} were created under "
+                f"torch.inference_mode(), so requires_grad=True can never be set on them "
+                f"again and this change could not be undone; nothing was changed. Fix: create "
+                f"the model outside inference_mode (or clone its parameters outside it)"
+            )
+    return values, kinds <= _PLAIN
+
+
+def _write_flags(params: list[nn.Parameter], flags: list[bool] | bool, plain: bool) -> None:
+    """Set ``requires_grad`` of each parameter to its flag (or all to one flag)."""
+    if isinstance(flags, list):
+        trues = flags.count(True)
+        if trues in (0, len(flags)):  # one flag for all (the common case): a loop without zip
+            flags = trues > 0
+    if isinstance(flags, bool):
+        if plain:
+            for p in params:
+                p.requires_grad = flags
+        else:
+            for p in params:
+                p.requires_grad_(flags)
+    elif plain:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad = flag
+    else:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
 
 
 def _names(names: list[str]) -> str:
@@ -198,7 +242,7 @@ class FreezeHandle:
         bn: str,
     ) -> None:
         bn = _check_bn(bn, caller)
-        _check_params(model, caller, params, requires_grad)
+        values, plain = _check_params(model, caller, params, requires_grad)
         self._seq = _sequence.take()
         self._caller = caller
         self._model_name = type(model).__name__
@@ -207,8 +251,9 @@ class FreezeHandle:
         self.norms: tuple[str, ...] = tuple(norms)
         # Parallel lists, not (p, flag) tuples: 10,000 small tuples cost more (allocation and
         # the garbage collections they trigger) than the flag flips themselves.
-        self._params = list(params.values())
-        self._flags = [p.requires_grad for p in self._params]
+        self._params = values
+        self._flags = [p.requires_grad for p in values]
+        self._plain = plain
         self._modules = [(m, m.training) for m in norms.values()]
         self._active = True
         # Everything above was validated and recorded before this point; only now does state
@@ -216,12 +261,9 @@ class FreezeHandle:
         train_mode = model.training
         pushed: list[nn.Module] = []
         try:
-            if requires_grad:
-                for p in self._params:
-                    p.requires_grad_(True)
-            else:
-                for p in self._params:
-                    p.requires_grad_(False)
+            _write_flags(values, requires_grad, self._plain)
+            if not requires_grad:
+                for p in values:
                     if p.grad is not None:
                         # A zero-filled grad would still let weight decay and momentum move p.
                         p.grad = None
@@ -235,8 +277,7 @@ class FreezeHandle:
         _active.add(self)
 
     def _undo(self, pushed: list[nn.Module]) -> None:
-        for p, flag in zip(self._params, self._flags, strict=True):
-            p.requires_grad_(flag)
+        _write_flags(self._params, self._flags, self._plain)
         for m in pushed:
             _pop_policy(m, self._seq)
         for m, training in self._modules:
@@ -277,8 +318,7 @@ class FreezeHandle:
                 f"hold parameters this one set ({names[:5]}...); restore the newest first, "
                 f"or use the context managers frozen()/unfrozen(), which nest correctly"
             )
-        for p, flag in zip(self._params, self._flags, strict=True):
-            p.requires_grad_(flag)
+        _write_flags(self._params, self._flags, self._plain)
         for m, training in self._modules:
             _pop_policy(m, self._seq)
             m.training = training

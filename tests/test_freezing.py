@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -544,3 +544,74 @@ def test_frozen_holds_a_batchnorm_without_affine_parameters() -> None:
     bn.train()
     bn(torch.randn(5, 3))
     assert bn.training and bn.running_mean.abs().sum() > 0
+
+
+# Issue 13: the resolved path checks each condition in one pass and writes flags by
+# assignment; these pin what the fast paths must still do.
+
+
+class Counting(nn.Parameter):
+    """A parameter subclass with its own requires_grad_, which must still be called."""
+
+    calls: ClassVar[list[bool]] = []
+
+    def requires_grad_(self, requires_grad: bool = True) -> Counting:
+        Counting.calls.append(requires_grad)
+        return super().requires_grad_(requires_grad)  # type: ignore[return-value]
+
+
+def test_a_large_selection_with_mixed_flags_and_a_subclass_round_trips_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(50)))
+    model[7].weight = Counting(model[7].weight.detach())
+    flags = [i % 3 != 0 for i in range(100)]
+    for p, flag in zip(model.parameters(), flags, strict=True):
+        p.requires_grad_(flag)
+    model[3].bias.grad = torch.zeros(2)
+    model[4].bias.grad = torch.ones(2)  # a frozen parameter with a grad: dropped as well
+    model[4].bias.requires_grad_(False)
+    flags[9] = False
+    ids = [id(p) for p in model.parameters()]
+    Counting.calls.clear()
+    handle = FreezeHandle(model, "spec()", dict(model.named_parameters()), {}, False, "eval")
+    assert not any(p.requires_grad for p in model.parameters())
+    assert model[3].bias.grad is None and model[4].bias.grad is None
+    assert Counting.calls == [False]  # the subclass's own method, not an assignment
+    handle.restore()
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert [id(p) for p in model.parameters()] == ids
+    assert Counting.calls == [False, flags[14]] == [False, True]
+
+
+def test_one_inference_parameter_among_many_is_named_and_nothing_changes() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(10)))
+    with torch.inference_mode():
+        model[4] = nn.Linear(2, 2)
+    before = state(model)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^freeze\(\): parameters '4\.weight', '4\.bias' of Sequential were created under",
+    ):
+        freeze(model)
+    assert state(model) == before
+    with frozen(model, "3", "5"):  # the others are fine
+        assert not model[3].weight.requires_grad and model[4].weight.requires_grad
+
+
+def test_unfreeze_takes_complex_parameters_and_names_the_one_integer_among_floats() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(5)))
+    model.register_parameter(
+        "phase", nn.Parameter(torch.zeros(2, dtype=torch.cfloat), requires_grad=False)
+    )
+    with unfrozen(model, "phase"):
+        assert model.phase.requires_grad
+    assert not model.phase.requires_grad
+    model[2].register_parameter(
+        "steps", nn.Parameter(torch.zeros(1, dtype=torch.long), requires_grad=False)
+    )
+    model.requires_grad_(False)
+    with pytest.raises(
+        IsolationTypeError, match=r"^unfreeze\(\): parameters \['2\.steps'\] are not floating"
+    ):
+        unfreeze(model)
+    assert not any(p.requires_grad for p in model.parameters())
