@@ -359,9 +359,9 @@ def test_simsiam_collapses_without_the_stop_gradient(suite: tuple[Path, dict[str
     assert without[-1] < without[0]
 
 
-@needs_data
-@pytest.mark.slow
-def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
+def _suite_in_processes(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    """``suite --quick`` with ``flags`` in a fresh process (it starts the runs' processes);
+    returns its ``results.json``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -372,8 +372,7 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
             "experiments",
             "suite",
             "--quick",
-            "--ddp",
-            "--only=detached,attached,detached_early",
+            *flags,
             f"--output={tmp_path / 'suite'}",
             f"--data.data_root={SHARED_DATA}",
             f"--data.cache_dir={tmp_path / 'cache'}",
@@ -387,7 +386,13 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((tmp_path / "suite" / "results.json").read_text())
+    return json.loads((tmp_path / "suite" / "results.json").read_text())
+
+
+@needs_data
+@pytest.mark.slow
+def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
+    results = _suite_in_processes(tmp_path, "--ddp", "--only=detached,attached,detached_early")
     runs = results["runs"]
     assert {r["world_size"] for r in runs.values()} == {2}
     steps = runs["baseline"]["steps"]
@@ -399,6 +404,36 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
     assert list(runs["detached_early"]["cut_off"]["parameters"]) == BEFORE_THE_LAST_LAYER
     assert runs["detached_early"]["cut_off"]["changed"] == []
     assert all(check["ok"] for check in results["checks"])
+
+
+@needs_data
+@pytest.mark.slow
+def test_suite_under_fsdp2_reaches_the_same_conclusions(tmp_path: Path) -> None:
+    only = "--only=detached,attached,frozen_trunk,simsiam"
+    results = _suite_in_processes(tmp_path, "--fsdp", only)
+    runs = results["runs"]
+    assert {(r["strategy"], r["world_size"]) for r in runs.values()} == {
+        ("ModelParallelStrategy", 2)
+    }
+    steps = runs["baseline"]["steps"]
+    assert steps > 0
+    # Whole gradients, gathered from the shards, not this process's shard of them.
+    grads = torch.load(tmp_path / "suite" / "runs" / "baseline" / "grads.pt")
+    assert grads.shape == (steps, sum(p.numel() for p in IsolationNet().trunk.parameters()))
+    assert runs["detached"]["grad_delta"] == [0.0] * steps
+    assert len(runs["attached"]["grad_delta"]) == steps
+    assert all(d > 0.0 for d in runs["attached"]["grad_delta"])
+    assert results["trunk_vs_reference"]["detached"]["bitwise_equal"] is True
+    drift = runs["frozen_trunk"]["drift"]
+    assert drift == {kind: [0.0] * steps for kind in ("parameters", "buffers", "counters")}
+    assert runs["baseline"]["drift"]["parameters"][-1] > 0.0  # the same measure moves there
+    assert all(check["ok"] for check in results["checks"]) and len(results["checks"]) == 12
+    # SimSiam has no configure_model: not run, and said so, with no check of its own.
+    assert list(results["skipped"]) == ["simsiam"]
+    assert "configure_model" in results["skipped"]["simsiam"]
+    report = (tmp_path / "suite" / "report.md").read_text()
+    assert "(FSDP2 (Lightning's ModelParallelStrategy), 2 CPU processes, 1 thread(s) each" in report
+    assert "## Not run" in report and "`python -m experiments suite --quick --fsdp`" in report
 
 
 @pytest.mark.skipif(
