@@ -3,6 +3,8 @@ out of compiled regions."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -112,3 +114,46 @@ def test_freeze_inside_a_compiled_function_runs_eagerly() -> None:
     out.backward()
     assert model[0].weight.grad is None and model[1].weight.grad is not None
     assert all(p.requires_grad for p in model.parameters())
+
+
+class _Probe(nn.Parameter):
+    """A parameter that records, at each flag flip, whether dynamo was tracing the flip."""
+
+    traced: ClassVar[list[bool]] = []
+
+    def requires_grad_(self, requires_grad: bool = True) -> _Probe:
+        _Probe.traced.append(torch.compiler.is_compiling())
+        return super().requires_grad_(requires_grad)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_flag_flips_inside_a_compiled_function_run_eagerly_at_every_call(backend: str) -> None:
+    """freeze/unfreeze/restore are kept out of compiled code (torch.compiler.disable): dynamo
+    never traces their flag flips, which run as plain Python at each call. Without the
+    decorator, dynamo inlines them and the flips run under tracing (is_compiling() is True),
+    where a flip could be baked into a graph or replayed from a cache."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model[0].weight = _Probe(model[0].weight.detach())
+    seen: list[tuple[bool, ...]] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        outer = isolate.freeze(model, "0")
+        inner = isolate.unfreeze(model, "0.weight")
+        seen.append(tuple(p.requires_grad for p in model.parameters()))
+        out = model(x).sum()
+        inner.restore()
+        outer.restore()
+        return out
+
+    compiled = torch.compile(step, backend=backend)
+    _Probe.traced.clear()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        compiled(torch.randn(2, 3)).backward()
+        assert model[0].weight.grad is not None and model[0].bias.grad is None
+        assert model[1].weight.grad is not None
+        assert all(p.requires_grad for p in model.parameters())
+    # four flips of the probe per call (freeze, unfreeze, and their restores), none traced
+    assert _Probe.traced == [False] * 12
+    assert seen == [(True, False, True, True)] * 3
