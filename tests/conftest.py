@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gc
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from isolate import freezing
 
@@ -22,6 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 settings.register_profile("isolate", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", database=None, print_blob=True)
 settings.load_profile("isolate")
+# Hypothesis also caches the constants it reads from source files in its home directory
+# (./.hypothesis by default), database or not: keep that out of the repo too.
+_HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="isolate-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
 
 
 def _untracked() -> set[str]:
