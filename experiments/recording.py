@@ -183,7 +183,12 @@ class Recorder(pl.Callback):
             "drift": {kind: [] for kind in self._names},
             "audit": {},
             "trunk_tensors": (
-                {"parameters": len(list(trunk.parameters())), "buffers": len(list(trunk.buffers()))}
+                {
+                    "parameters": len(list(trunk.parameters())),
+                    "buffers": len(list(trunk.buffers())),
+                    # FSDP2 shards (DTensor): 0 unless the module sharded itself.
+                    "sharded": sum(_is_sharded(p) for p in _parameters(trunk).values()),
+                }
                 if trunk is not None
                 else None
             ),

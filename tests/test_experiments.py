@@ -417,6 +417,7 @@ def test_suite_under_fsdp2_reaches_the_same_conclusions(tmp_path: Path) -> None:
     }
     steps = runs["baseline"]["steps"]
     assert steps > 0
+    assert runs["baseline"]["trunk_tensors"]["sharded"] == 8  # every trunk parameter
     # Whole gradients, gathered from the shards, not this process's shard of them.
     grads = torch.load(tmp_path / "suite" / "runs" / "baseline" / "grads.pt")
     assert grads.shape == (steps, sum(p.numel() for p in IsolationNet().trunk.parameters()))
