@@ -695,3 +695,65 @@ def test_names_errors() -> None:
     with pytest.raises(IsolationTypeError, match=r"^snapshot\(\): names= selects from a module"):
         snapshot({"a": torch.zeros(1)}, names=["a"])
     assert snapshot(model, names="1.running_mean").names == ("1.running_mean",)
+
+
+# --------------------------------------------------------------------------------------------
+# Small tensors are fingerprinted together: the same numbers as one at a time
+
+
+def _small_tensors() -> list[torch.Tensor]:
+    sizes = (1, 2, 3, 5, 7, 511, 512, 513, 1024, 3000, 16384)
+    tensors = [sample(dtype, n, seed=n) for dtype in ALL_DTYPES for n in sizes]
+    base = sample(torch.float16, 51)
+    tensors += [base[1:], sample(torch.float32, 50)[1:], sample(torch.float32, 8, 9).t()]
+    return [*tensors, sample(torch.float32, 100_000)]  # too big for a batch
+
+
+def test_batched_fingerprints_equal_one_at_a_time() -> None:
+    tensors = _small_tensors()
+    batched = fingerprinting._fingerprints(tensors)
+    assert [batched[id(t)] for t in tensors] == [fingerprint(t) for t in tensors]
+
+
+def test_batched_fingerprints_equal_one_at_a_time_in_a_small_geometry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fingerprinting, "_LANES", 8)
+    monkeypatch.setattr(fingerprinting, "_line_weights", {})
+    monkeypatch.setattr(fingerprinting, "_lane_weights", {})
+    monkeypatch.setattr(fingerprinting, "_BATCH_BUFFER", 4096)  # several batches
+    tensors = [sample(torch.float32, n, seed=n) for n in range(3, 120)]
+    batched = fingerprinting._fingerprints(tensors)
+    assert [batched[id(t)] for t in tensors] == [fingerprint(t) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_single_bit_flip_is_caught_by_a_batched_snapshot(dtype: torch.dtype) -> None:
+    model = nn.Module()
+    model.register_buffer("a", sample(dtype, 7))
+    model.register_buffer("b", sample(dtype, 5, seed=1))
+    snap = snapshot(model, copy=False)
+    for buffer, name in ((model.a, "a"), (model.b, "b")):
+        original = buffer.clone()
+        for _, _, flipped in every_single_bit_flip(original):
+            buffer.view(torch.uint8).copy_(flipped.view(torch.uint8))  # bytes, even of bools
+            assert list(snap.changed()) == [name]
+        buffer.copy_(original)
+    assert snap.changed() == {}
+
+
+def test_sign_flips_do_not_cancel_in_a_batched_snapshot() -> None:
+    model = nn.Module()
+    for i, dtype in enumerate(ALL_DTYPES[:6]):
+        model.register_buffer(f"t{i}", sample(dtype, 2048))
+    snap = snapshot(model, copy=False)
+    for name, t in model.named_buffers():
+        original = t.clone()
+        for i, j in [(0, 1), (0, 2), (3, 515), (1, 2047)]:
+            t[[i, j]] = -t[[i, j]]
+            assert list(snap.changed()) == [name], (name, i, j)
+            t.copy_(original)
+        t.neg_()
+        assert list(snap.changed()) == [name]
+        t.copy_(original)
+    assert snap.changed() == {}
