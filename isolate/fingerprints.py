@@ -334,8 +334,10 @@ def fingerprint(tensor: torch.Tensor) -> int:
     fingerprints, on every rank and at any thread count; a change of any single bit of any
     element always changes it. It holds no copy of the tensor: a contiguous tensor is read in
     place (twice, see below), a non-contiguous one copied 8 MiB at a time. On a 302M-parameter
-    model it costs about three reads of the weights on one CPU thread (``python -m
-    experiments.bench --only scale``).
+    model it costs three to four reads of the weights (a ``sum``) on one CPU thread (``python
+    -m experiments.bench --only scale``): the two readings are two integer ``torch.mv``, and
+    torch's int32 mv runs at about memory speed even on data in cache, so they alone cost
+    about 2.5 reads. Small tensors are read together (``_fingerprints``).
 
     How: the tensor's bytes in row-major order are read as int32 words, twice (from byte 0
     and from byte 2), so that every bit of every element is among the low 16 bits of a word
