@@ -231,6 +231,12 @@ def test_presets_parse_on_top_of_a_variant(tmp_path: Path) -> None:
             assert trainer.num_devices == 2
             # detached_early's cut-off trunk must not stop the run (the recorder names it).
             assert trainer.strategy._ddp_kwargs == {"find_unused_parameters": True}
+        elif preset.stem == "fsdp":
+            assert type(trainer.strategy).__name__ == "ModelParallelStrategy"
+            assert trainer.num_devices == 2
+            assert trainer.strategy._data_parallel_size == 2
+            assert trainer.strategy._tensor_parallel_size == 1
+            assert trainer.strategy._save_distributed_checkpoint is False
         elif preset.stem == "quick":
             assert cli.datamodule.hparams.limit_train == 2560
             assert trainer.max_epochs == 1
