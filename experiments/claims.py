@@ -18,6 +18,12 @@ kind               claim (parameters)
 ``still``          the trunk's ``what`` (``parameters``, ``statistics``, ``counters``) never
                    move from their value at the start
 ``moves``          the trunk's ``what`` move anyway (``why``: the reason it matters)
+``thaws``          the trunk's ``layer`` is thawed at ``step``: its parameters stay exactly
+                   where they started at every step before and have moved at every step from
+                   then on, while every other layer's parameters never move
+``ranks_equal``    at the end of every step from the first thaw on, every process holds the
+                   same full parameters, bit for bit (fingerprints gathered from every
+                   process; in one process trivially so, and said so)
 ``spread``         the final per-channel std of SimSiam's ``z/|z|`` stays above ``factor``
                    times ``1/sqrt(dim)``
 ``collapses``      the final std is below ``factor`` times the ``versus`` run's
@@ -201,6 +207,66 @@ def _moves(name: str, record: Record, ctx: _Context, *, what: str, why: str = ""
     ]
 
 
+def _thaws(name: str, record: Record, ctx: _Context, *, layer: str, step: int) -> list[Check]:
+    layers = record.get("drift_layers") or {}
+    series = list(layers.get(layer) or [])
+    at = (record.get("thaw") or {}).get("step")
+    before, after = series[:step], series[step:]
+    moved = [d for d in after if d is not None and d > 0.0]
+    others = {k: v for k, v in layers.items() if k != layer}
+    still = [d for v in others.values() for d in v]
+    return [
+        check(
+            name,
+            f"trunk.{layer} is still before its thaw and moves from then on",
+            f"thawed at step {step}; max|Δ| == 0.0 before, > 0 at every step after",
+            f"thawed at step {at}; before: max|Δ| = {largest(before)} over {len(before)} "
+            f"steps; after: {len(moved)}/{len(after)} steps > 0, smallest {smallest(after)}",
+            at == step
+            and len(before) == step
+            and all(d == 0.0 for d in before)
+            and bool(after)
+            and len(moved) == len(after),
+        ),
+        check(
+            name,
+            f"the rest of the trunk ({len(others)} layers) never moves",
+            "max|Δ| == 0.0 at every step",
+            f"max|Δ| = {largest(still)} over {len(series)} steps ("
+            + ", ".join(f"trunk.{k}" for k in others)
+            + ")",
+            bool(others) and all(v and all(d == 0.0 for d in v) for v in others.values()),
+        ),
+    ]
+
+
+def _ranks_equal(name: str, record: Record, ctx: _Context) -> list[Check]:
+    thaw = record.get("thaw") or {}
+    steps, differing = list(thaw.get("checked_steps") or []), list(thaw.get("differing") or [])
+    world, count = thaw.get("world_size"), thaw.get("parameters")
+    same = [d for d in differing if d == 0]
+    if not thaw:
+        observed = "not recorded (no thaw schedule)"
+    elif not steps:
+        observed = "no step after a thaw"
+    elif world == 1:
+        observed = f"1 process: trivially identical ({len(steps)} steps after the thaw)"
+    else:
+        observed = (
+            f"{len(same)}/{len(steps)} steps with all {count} parameters bitwise equal on "
+            f"{world} processes" + (f"; most differing: {max(differing)}" if differing else "")
+        )
+    return [
+        check(
+            name,
+            "every process holds the same full parameters after the thaw",
+            "fingerprints equal on every process at every step from the thaw on",
+            observed,
+            bool(steps) and len(differing) == len(steps) and len(same) == len(steps),
+        )
+    ]
+
+
 def _final_std(record: Record | None) -> tuple[float | None, float | None]:
     train = (record or {}).get("train") or {}
     std, ref = train.get("z_std") or [None], train.get("z_std_ref") or [None]
@@ -290,6 +356,8 @@ CLAIMS: dict[str, Callable[..., list[Check]]] = {
     "stops_with": _stops_with,
     "still": _still,
     "moves": _moves,
+    "thaws": _thaws,
+    "ranks_equal": _ranks_equal,
     "spread": _spread,
     "collapses": _collapses,
     "cut_off": _cut_off,

@@ -15,6 +15,12 @@ numbers come out of an in-process run and of a run under DDP or FSDP2 in subproc
   (:func:`isolate.cut_off_parameters` over a forward run inside :func:`isolate.trace_forward`),
   and where each named loss sends its gradient, per parameter group
   (:func:`isolate.gradient_report`, drawn by the report);
+* per step, the same drift per layer of the trunk (its direct children that hold
+  parameters), so that a thaw shows which layer moved and when;
+* with an :class:`isolate.lightning.IsolationCallback` that thaws, the step of the first thaw
+  and, at the end of every step from then on, whether every process holds the same full
+  parameters: each full parameter's :func:`isolate.fingerprint` (a DTensor's
+  ``full_tensor()``), gathered from every process and compared with rank 0's;
 * at the end, whether the parameters cut off at the first step still hold their values;
 * the metrics the module logs (the logger has them too), and the accuracies that
   ``trainer.test`` measures on the test split after ``fit``;
@@ -42,8 +48,15 @@ import torch
 from torch import nn
 
 from experiments.formats import jsonable
-from isolate import cut_off_parameters, gradient_report, reachable_parameters, trace_forward
+from isolate import (
+    cut_off_parameters,
+    fingerprint,
+    gradient_report,
+    reachable_parameters,
+    trace_forward,
+)
 from isolate.drift import max_abs_diff, snapshot
+from isolate.lightning import IsolationCallback
 from isolate.sharding import canonical_parameters
 
 __all__ = ["RUN_FILE", "Recorder", "load_run"]
@@ -90,6 +103,30 @@ def _max_over_processes(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return [float(v) for v in tensor.tolist()]
+
+
+def _ranks_differing(params: dict[str, torch.Tensor]) -> int:
+    """How many of ``params`` differ, as full tensors, between some process and rank 0 (a
+    collective: every process calls it with the same names, in the same order); 0 in one
+    process. Each process sends two int64 words per parameter, its fingerprint."""
+    if not _distributed():
+        return 0
+    words = []
+    for p in params.values():
+        hi, lo = divmod(fingerprint(_full(p).detach()), 2**64)
+        words.append([w - 2**64 if w >= 2**63 else w for w in (hi, lo)])
+    mine = torch.tensor(words, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, mine)
+    differs = torch.zeros(len(words), dtype=torch.bool)
+    for other in gathered[1:]:
+        differs |= (other != gathered[0]).any(dim=1)
+    return int(differs.sum())
+
+
+def _thaws(trainer: pl.Trainer) -> list[IsolationCallback]:
+    """The trainer's IsolationCallbacks that have a thaw schedule."""
+    return [cb for cb in trainer.callbacks if isinstance(cb, IsolationCallback) and cb.spec.thaw]
 
 
 class Recorder(pl.Callback):
@@ -163,6 +200,8 @@ class Recorder(pl.Callback):
         trunk = self._trunk(pl_module)
         self._snapshot = snapshot(trunk) if trunk is not None else None
         self._names = _kinds(trunk) if trunk is not None else {}
+        self._layers = _layers(trunk) if trunk is not None else {}
+        self._batch_step = 0
         self._reference = None
         if self.reference_path is not None and trunk is not None:
             self._reference = torch.load(self.reference_path, map_location="cpu")
@@ -181,6 +220,7 @@ class Recorder(pl.Callback):
             "grad_delta": [] if self._reference is not None else None,
             "grad_norm": [],
             "drift": {kind: [] for kind in self._names},
+            "drift_layers": {layer: [] for layer in self._layers},
             "audit": {},
             "trunk_tensors": (
                 {
@@ -193,6 +233,14 @@ class Recorder(pl.Callback):
                 else None
             ),
         }
+        if _thaws(trainer):
+            self.record["thaw"] = {
+                "step": None,
+                "world_size": trainer.world_size,
+                "parameters": len(_parameters(pl_module)),
+                "checked_steps": [],
+                "differing": [],
+            }
         datamodule = trainer.datamodule
         if datamodule is not None:
             self.record["data"] = {
@@ -203,6 +251,7 @@ class Recorder(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._batch_step = trainer.global_step
         # The first forward runs traced, so a cut-off parameter comes with its reason; the
         # hooks come off right after (on_before_backward), or when the step fails.
         if not self._audited and self._trace is None:
@@ -298,13 +347,25 @@ class Recorder(pl.Callback):
             self._append("train", key, value)
         if self._snapshot is not None:
             moved = self._snapshot.changed()
-            kinds = list(self._names)
+            kinds, layers = list(self._names), list(self._layers)
             values = [
-                max((d for n, d in moved.items() if n in self._names[kind]), default=0.0)
-                for kind in kinds
+                max((d for n, d in moved.items() if n in names), default=0.0)
+                for names in [*self._names.values(), *self._layers.values()]
             ]
-            for kind, value in zip(kinds, _max_over_processes(values), strict=True):
+            values = _max_over_processes(values)  # one reduction for both
+            for kind, value in zip(kinds, values[: len(kinds)], strict=True):
                 self.record["drift"][kind].append(value)
+            for layer, value in zip(layers, values[len(kinds) :], strict=True):
+                self.record["drift_layers"][layer].append(value)
+        thaw = self.record.get("thaw")
+        if thaw is not None:
+            if thaw["step"] is None and any(
+                cb.handle and cb.handle.thawed for cb in _thaws(trainer)
+            ):
+                thaw["step"] = self._batch_step  # the step the thaw came before
+            if thaw["step"] is not None:
+                thaw["checked_steps"].append(self._batch_step)
+                thaw["differing"].append(_ranks_differing(_parameters(pl_module)))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or not self.record:
@@ -447,6 +508,15 @@ def _kinds(trunk: nn.Module) -> dict[str, set[str]]:
         "buffers": {n for n, b in buffers.items() if b.is_floating_point()},
         "counters": {n for n, b in buffers.items() if not b.is_floating_point()},
     }
+
+
+def _layers(trunk: nn.Module) -> dict[str, set[str]]:
+    """Names of the trunk's parameters by the direct child that holds them (``"9"`` for
+    ``9.weight``)."""
+    layers: dict[str, set[str]] = {}
+    for name, _ in trunk.named_parameters():
+        layers.setdefault(name.partition(".")[0], set()).add(name)
+    return layers
 
 
 def _groups(pl_module: nn.Module) -> dict[str, list[str]]:

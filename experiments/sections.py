@@ -22,6 +22,9 @@ kind            what it shows (parameters)
                 its squared norm per parameter group, the trunk (``part``, default
                 ``trunk``) split into its layers, with the cut-off parameters counted per
                 group (``GradientReport.figure``, ``gradient_shares_<run>.png``)
+``thaw``        when the trunk's frozen layers were thawed, how far each trunk layer's
+                parameters moved before and after, and whether every process held the same
+                full parameters at every step after the thaw
 ==============  ==============================================================================
 """
 
@@ -419,6 +422,59 @@ def _gradient_shares(entries: Sequence[Entry], results: dict[str, Any], output: 
     return [*lines, table(header, rows), "", *images]
 
 
+# --------------------------------------------------------------------------------------------
+# thaw
+
+
+def _thaw(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    runs = results["runs"]
+    thawed = {name: runs[name] for name, _ in entries if (runs.get(name) or {}).get("thaw")}
+    if not thawed:
+        return []
+    rows = []
+    for name, record in thawed.items():
+        thaw = record["thaw"]
+        at = thaw.get("step")
+        for layer, series in (record.get("drift_layers") or {}).items():
+            cut = len(series) if at is None else at
+            rows.append(
+                [
+                    name,
+                    f"trunk.{layer}",
+                    "never" if at is None else at,
+                    largest(series[:cut]),
+                    largest(series[cut:]) if series[cut:] else "",
+                ]
+            )
+        steps, differing = thaw.get("checked_steps") or [], thaw.get("differing") or []
+        world = thaw.get("world_size")
+        same = sum(d == 0 for d in differing)
+        rows.append(
+            [
+                name,
+                f"all {thaw.get('parameters')} parameters, on every process",
+                "",
+                "",
+                "1 process: trivially identical"
+                if world == 1
+                else f"bitwise equal at {same} of {len(steps)} steps on {world} processes",
+            ]
+        )
+    header = ["run", "parameters", "thawed before step", "max|Δ| before", "max|Δ| from then on"]
+    return [
+        "## Thawing a frozen layer",
+        "",
+        "The trunk starts frozen; `IsolationCallback(thaw=[...])` makes a layer trainable "
+        "before the given optimizer step. Each layer's parameters are compared with their "
+        "start after every step (the largest difference over the processes), and from the "
+        "thaw on each process's fingerprint of every full parameter (`isolate.fingerprint`, "
+        "a DTensor's `full_tensor()`) is compared with rank 0's.",
+        "",
+        table(header, rows),
+        "",
+    ]
+
+
 SECTIONS: dict[str, Section] = {
     "drift": _drift,
     "error": _error,
@@ -426,6 +482,7 @@ SECTIONS: dict[str, Section] = {
     "collapse": _collapse,
     "cut_off": _cut_off,
     "gradient_shares": _gradient_shares,
+    "thaw": _thaw,
 }
 
 

@@ -204,6 +204,16 @@ def test_config_runs_with_the_promised_outcome(config: Path, tmp_path: Path) -> 
         # IsolationCallback logs to the trainer's loggers: its gradient norms are in the CSV.
         norms = {k: v for k, v in logged.items() if k.startswith("isolation/grad_norm/")}
         assert "isolation/grad_norm/total" in norms and all(norms.values())
+    elif name == "frozen_trunk_thaw":
+        # Thawed before step 2 of 3: the last layer alone moves, and only at that step.
+        assert moved == ["9.bias", "9.weight"]
+        assert record["thaw"]["step"] == 2 and record["thaw"]["checked_steps"] == [2]
+        assert record["thaw"]["world_size"] == 1 and record["thaw"]["differing"] == [0]
+        layers = record["drift_layers"]
+        assert layers["9"][:2] == [0.0, 0.0] and layers["9"][2] > 0.0
+        assert all(layers[k] == [0.0] * STEPS for k in ("0", "1", "4", "5"))
+        assert audit["main"]["trunk"] == [0, 8]  # audited at step 0, before the thaw
+        assert all(p.requires_grad for p in model.trunk.parameters())
     elif name == "frozen_trunk_naive":
         assert set(moved) == {k for k in before if k not in trunk_params}  # only BatchNorm
         assert all(p.requires_grad for p in model.trunk.parameters())

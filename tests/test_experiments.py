@@ -235,19 +235,21 @@ def test_report_files_are_written(suite: tuple[Path, dict[str, Any]]) -> None:
         "## Gradient reversal: reversal",  # the section the run declares
         "## Parameters cut off from the loss (first step)",
         "## Where each loss sends its gradient (first step)",
+        "## Thawing a frozen layer",
     ):
         assert section in report
     assert set(results["runs"]) == {v.name for v in VARIANTS}
     # The reproduce lines of the compared runs read it: kept.
     assert (output / "runs" / "baseline" / "grads.pt").is_file()
     failed = [c for c in results["checks"] if not c["ok"]]
-    # gradient_equal gives 2 checks, and so does cut_off naming parameters (they stay put).
-    two = [c for v in VARIANTS for c in v.claims if c["check"] == "gradient_equal"]
+    # gradient_equal gives 2 checks, and so do cut_off naming parameters (they stay put)
+    # and thaws (the thawed layer, and the rest of the trunk).
+    two = [c for v in VARIANTS for c in v.claims if c["check"] in ("gradient_equal", "thaws")]
     two += [
         c for v in VARIANTS for c in v.claims if c["check"] == "cut_off" and c["expect"] != "none"
     ]
     declared = sum(len(v.claims) for v in VARIANTS)
-    assert failed == [] and len(results["checks"]) == declared + len(two) == declared + 3
+    assert failed == [] and len(results["checks"]) == declared + len(two) == declared + 4
     # Every run logged its metrics with the logger, per step and per epoch.
     metrics = output / "runs" / "detached" / "detached" / "version_0" / "metrics.csv"
     header = metrics.read_text().splitlines()[0].split(",")
@@ -349,6 +351,25 @@ def test_frozen_trunk_does_not_drift(suite: tuple[Path, dict[str, Any]]) -> None
 
 @needs_data
 @pytest.mark.slow
+def test_the_thawed_layer_alone_moves_and_only_after_its_thaw(
+    suite: tuple[Path, dict[str, Any]],
+) -> None:
+    run = _runs(suite)["frozen_trunk_thaw"]
+    steps, layers = run["steps"], run["drift_layers"]
+    assert run["thaw"]["step"] == 2 and steps == 20
+    assert sorted(layers) == ["0", "1", "4", "5", "9"]
+    assert layers["9"][:2] == [0.0, 0.0] and all(d > 0.0 for d in layers["9"][2:])
+    assert all(layers[k] == [0.0] * steps for k in ("0", "1", "4", "5"))
+    assert run["drift"]["buffers"] == run["drift"]["counters"] == [0.0] * steps
+    assert sorted(run["drift_final"]["moved"]) == ["9.bias", "9.weight"]
+    # One process: every step from the thaw on is checked, and trivially identical.
+    assert run["thaw"]["world_size"] == 1 and run["thaw"]["parameters"] == 10
+    assert run["thaw"]["checked_steps"] == list(range(2, steps))
+    assert run["thaw"]["differing"] == [0] * (steps - 2)
+
+
+@needs_data
+@pytest.mark.slow
 def test_simsiam_collapses_without_the_stop_gradient(suite: tuple[Path, dict[str, Any]]) -> None:
     runs = _runs(suite)
     with_sg = runs["simsiam"]["train"]["z_std"]
@@ -404,6 +425,29 @@ def test_suite_under_ddp_reaches_the_same_conclusions(tmp_path: Path) -> None:
     assert list(runs["detached_early"]["cut_off"]["parameters"]) == BEFORE_THE_LAST_LAYER
     assert runs["detached_early"]["cut_off"]["changed"] == []
     assert all(check["ok"] for check in results["checks"])
+
+
+@needs_data
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["--ddp", "--fsdp"])
+def test_ranks_are_identical_after_a_thaw_on_two_processes(tmp_path: Path, strategy: str) -> None:
+    results = _suite_in_processes(tmp_path, strategy, "--only=frozen_trunk_thaw")
+    run = results["runs"]["frozen_trunk_thaw"]
+    steps = run["steps"]
+    assert run["world_size"] == 2 and steps == 10  # each process sees half the batches
+    assert run["thaw"]["step"] == 2 and run["thaw"]["world_size"] == 2
+    assert run["thaw"]["checked_steps"] == list(range(2, steps))
+    assert run["thaw"]["differing"] == [0] * (steps - 2)
+    layers = run["drift_layers"]
+    assert layers["9"][:2] == [0.0, 0.0] and all(d > 0.0 for d in layers["9"][2:])
+    assert all(layers[k] == [0.0] * steps for k in ("0", "1", "4", "5"))
+    mine = [c for c in results["checks"] if c["variant"] == "frozen_trunk_thaw"]
+    assert all(c["ok"] for c in mine) and len(mine) == 5
+    ranks = next(c for c in mine if c["check"].startswith("every process"))
+    assert ranks["observed"] == (
+        f"{steps - 2}/{steps - 2} steps with all 10 parameters bitwise equal on 2 processes; "
+        "most differing: 0"
+    )
 
 
 @needs_data
@@ -686,8 +730,58 @@ def test_frozen_and_collapse_claims_read_the_declared_series() -> None:
     ]
 
 
-@needs_data
-@pytest.mark.slow
+def test_thaw_and_rank_claims_fail_when_the_run_breaks_them() -> None:
+    steps = 5
+    record: dict[str, Any] = {
+        "status": "ok",
+        "drift": {"parameters": [0.0] * steps, "buffers": [0.0] * steps, "counters": [0.0] * steps},
+        "drift_layers": {
+            "0": [0.0] * steps,
+            "1": [0.0] * steps,
+            "9": [0.0, 0.0, 0.1, 0.2, 0.3],
+        },
+        "thaw": {
+            "step": 2,
+            "world_size": 2,
+            "parameters": 10,
+            "checked_steps": [2, 3, 4],
+            "differing": [0, 0, 0],
+        },
+        "test": {"acc/main": 0.6},
+        "chance": {"acc/main": 0.1},
+    }
+    results = _fake_results(frozen_trunk_thaw=record)
+    checks = evaluate_checks(results)
+    assert all(c["ok"] for c in checks) and len(checks) == 5
+    ranks = checks[3]
+    assert ranks["observed"] == (
+        "3/3 steps with all 10 parameters bitwise equal on 2 processes; most differing: 0"
+    )
+    record["drift_layers"]["9"] = [0.0, 0.1, 0.1, 0.2, 0.3]  # moved before its thaw
+    record["drift_layers"]["1"] = [0.0, 0.0, 0.0, 0.0, 1e-9]  # a frozen layer moved
+    record["thaw"]["differing"] = [0, 1, 0]  # one parameter differed on a process at step 3
+    failed = [c["check"] for c in evaluate_checks(results) if not c["ok"]]
+    assert failed == [
+        "trunk.9 is still before its thaw and moves from then on",
+        "the rest of the trunk (2 layers) never moves",
+        "every process holds the same full parameters after the thaw",
+    ]
+    # One process: trivially identical, and said so; no step after a thaw is no pass.
+    record["thaw"] = {**record["thaw"], "world_size": 1, "differing": [0, 0, 0]}
+    (ranks,) = [c for c in evaluate_checks(results) if c["check"].startswith("every process")]
+    assert (
+        ranks["ok"]
+        and ranks["observed"] == "1 process: trivially identical (3 steps after the thaw)"
+    )
+    record["drift_layers"] = {**record["drift_layers"], "1": [0.0] * steps, "9": [0.0] * steps}
+    record["thaw"] = {**record["thaw"], "step": None, "checked_steps": [], "differing": []}
+    failed = [c["check"] for c in evaluate_checks(results) if not c["ok"]]
+    assert failed == [
+        "trunk.9 is still before its thaw and moves from then on",
+        "every process holds the same full parameters after the thaw",
+    ]
+
+
 def test_a_new_variant_is_one_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     configs = tmp_path / "configs"
     configs.mkdir()
