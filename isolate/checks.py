@@ -16,7 +16,7 @@ from torch import nn
 
 from isolate.branches import RECORD_LIMIT, Branches
 from isolate.distributed import check_ranks, world_size
-from isolate.drift import fingerprint, max_abs_diff
+from isolate.drift import max_abs_diff
 from isolate.errors import (
     BlindSpotError,
     CutOffError,
@@ -26,6 +26,7 @@ from isolate.errors import (
     IsolationTypeError,
     SpecError,
 )
+from isolate.fingerprints import _fingerprints
 from isolate.graph import assert_isolated, walk
 from isolate.optimizers import find
 from isolate.plan import Names, Plan, shown
@@ -86,12 +87,11 @@ class DriftWatch:
         *,
         copy: bool = False,
     ) -> None:
-        names = Names.of(model)
         self.params = list(params)
         self.buffers = list(buffers)
         self.copy = copy
-        current = {**names.params, **names.buffers}
-        self._saved = {n: self._keep(current[n]) for n in [*self.params, *self.buffers]}
+        current = _named_tensors(model)
+        self._saved = self._keep({n: current[n] for n in [*self.params, *self.buffers]})
 
     @classmethod
     def of(
@@ -116,8 +116,11 @@ class DriftWatch:
         )
         return cls(plan.model, list(frozen), buffers, copy=copy)
 
-    def _keep(self, t: torch.Tensor) -> torch.Tensor | int:
-        return t.detach().to("cpu", copy=True) if self.copy else fingerprint(t)
+    def _keep(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:
+        if self.copy:
+            return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+        prints = _fingerprints(tensors.values())  # one batched pass, tied tensors once
+        return {n: prints[id(t)] for n, t in tensors.items()}
 
     def __len__(self) -> int:
         return len(self._saved)
@@ -125,18 +128,20 @@ class DriftWatch:
     def changed(self, model: nn.Module) -> dict[str, float]:
         """Name -> max |Δ| of every watched tensor that moved (``nan`` when only fingerprints
         are kept: the size is unknown); ``inf`` when the name is gone."""
-        names = Names.of(model)
-        current = {**names.params, **names.buffers}
+        return self._changed(_named_tensors(model))
+
+    def _changed(self, current: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        present = {n: current[n] for n in self._saved if n in current}
+        now = self._keep(present) if not self.copy else {}
         out: dict[str, float] = {}
         for name, saved in self._saved.items():
-            now = current.get(name)
-            if now is None:
+            if name not in present:
                 out[name] = math.inf
             elif isinstance(saved, int):
-                if fingerprint(now) != saved:
+                if now[name] != saved:
                     out[name] = math.nan
             else:
-                delta = max_abs_diff(saved, now)
+                delta = max_abs_diff(saved, present[name])
                 if not delta <= 0.0:
                     out[name] = delta
         return out
@@ -144,14 +149,11 @@ class DriftWatch:
     def check(self, model: nn.Module, when: str, caller: str) -> list[IsolationError]:
         """A :class:`DriftError` naming what moved, then watch from the new values, so a
         run that only warns reports each move once."""
-        moved = self.changed(model)
+        current = _named_tensors(model)
+        moved = self._changed(current)
         if not moved:
             return []
-        names = Names.of(model)
-        current = {**names.params, **names.buffers}
-        for name in moved:
-            if name in current:
-                self._saved[name] = self._keep(current[name])
+        self._saved.update(self._keep({n: current[n] for n in moved if n in current}))
         width = max(len(name) for name in moved)
         lines = [
             f"  {name:<{width}}  ({'buffer' if name in self.buffers else 'parameter'}) "
@@ -163,6 +165,12 @@ class DriftWatch:
                 f"{caller}: frozen tensors moved ({when}): {shown(moved)}\n" + "\n".join(lines)
             )
         ]
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by its ``state_dict`` key: one walk of the model."""
+    names = Names.of(model)
+    return {**names.params, **names.buffers}
 
 
 def check_reach(
