@@ -58,6 +58,16 @@ def _no_files_left_behind() -> Iterator[None]:
     assert not created, f"the suite wrote files into the repo: {sorted(created)[:10]}"
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny networks gain nothing from threads, and on a busy 2-core machine intra-op threads
+    contend with other processes and make tests many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _isolation_left_clean() -> Iterator[None]:
     active_before = set(freezing._active)

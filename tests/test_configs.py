@@ -10,18 +10,16 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
+from _launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -35,6 +33,7 @@ from experiments.cli import cli_main  # noqa: E402
 from isolate import InplaceModificationError  # noqa: E402
 
 pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(
         not (SHARED_DATA / "MNIST" / "raw").is_dir(),
         reason="needs the MNIST test split in ../shared/data beside the repository",
@@ -46,15 +45,6 @@ pytestmark = [
 
 VARIANTS = sorted(CONFIGS.glob("*.yaml"))
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The networks are tiny; a second thread only fights other work for the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _args(config: Path, tmp_path: Path, *more: str) -> list[str]:
@@ -303,20 +293,8 @@ def test_every_variant_declares_what_the_suite_checks() -> None:
 
 @pytest.mark.slow
 def test_ddp_preset_runs_two_processes(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     args = _args(CONFIGS / "detached.yaml", tmp_path, "--config", str(PRESETS / "ddp.yaml"))
-    done = subprocess.run(
-        [sys.executable, "-m", "experiments", "fit", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch([sys.executable, "-m", "experiments", "fit", *args], cwd=REPO)
     record = _run_record(tmp_path)
     assert record["world_size"] == 2 and record["strategy"] == "DDPStrategy"
     assert record["status"] == "ok" and record["steps"] == STEPS

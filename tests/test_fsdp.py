@@ -7,15 +7,13 @@ HSDP mesh); each rank writes what it measured, and the tests assert on it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _launch import launch, ranks
 from torch import nn
 from torch.func import functional_call
 
@@ -27,23 +25,11 @@ SCRIPT = Path(__file__).with_name("_fsdp_script.py")
 
 
 def _run(mode: str, out: Path, world: int = 2) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(world)]
-    for rank in ranks:
+    launch([sys.executable, str(SCRIPT), mode, str(out)], cwd=out)
+    records = ranks(out, mode, world)
+    for rank in records:
         assert "error" not in rank, rank["error"]
-    return ranks
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -229,23 +215,8 @@ LIGHTNING_SCRIPT = Path(__file__).with_name("_lightning_fsdp_script.py")
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("fsdp_lightning")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, str(LIGHTNING_SCRIPT), str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return {
-        run: [json.loads((out / f"{run}-rank{r}.json").read_text()) for r in (0, 1)]
-        for run in ("full", "resume")
-    }
+    launch([sys.executable, str(LIGHTNING_SCRIPT), str(out)], cwd=out)
+    return {run: ranks(out, run) for run in ("full", "resume")}
 
 
 FROZEN = ["trunk.0.weight", "trunk.0.bias", "trunk.1.weight", "trunk.1.bias"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,13 +22,7 @@ from isolate import (
 )
 from isolate.gradients import GradientReport
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(
@@ -158,6 +152,7 @@ def test_a_half_precision_norm_beyond_the_half_range_is_not_inf() -> None:
 def test_sums_of_squares_beyond_the_float32_range_are_redone_in_float64(
     dtype: torch.dtype,
 ) -> None:
+
     p = nn.Parameter(torch.zeros(4, dtype=dtype))
     loss = (p * torch.full((4,), 1e25, dtype=dtype)).sum()
     (grad,) = torch.autograd.grad(loss, p, retain_graph=True)

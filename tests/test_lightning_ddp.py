@@ -6,14 +6,12 @@ process by re-running the command line, which pytest's own command line cannot s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _launch import launch, ranks
 
 SCRIPT = Path(__file__).with_name("_lightning_ddp_script.py")
 
@@ -21,23 +19,8 @@ SCRIPT = Path(__file__).with_name("_lightning_ddp_script.py")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return {
-        mode: [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
-        for mode in ("isolate", "backbone", "raise")
-    }
+    launch([sys.executable, str(SCRIPT), str(out)], cwd=out)
+    return {mode: ranks(out, mode) for mode in ("isolate", "backbone", "raise")}
 
 
 def _differing(ranks: list[dict[str, Any]], at: int) -> list[str]:

@@ -4,7 +4,7 @@ force (``torch.autograd.grad(..., allow_unused=True)``: reached == grad is not N
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -22,15 +22,7 @@ from isolate import (
 from isolate.drift import optimizer_exposure, snapshot
 from isolate.errors import DriftError, GradientLeakError
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny inputs gain nothing from threads, and on a busy 2-core machine intra-op threads
-    contend with other processes and make these tests many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def brute_force(losses: torch.Tensor | Sequence[torch.Tensor], model: nn.Module) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ reaches, each scenario with its negative control and checked against brute force
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,13 +26,7 @@ from isolate import (
 )
 from isolate.errors import IsolationError, IsolationTypeError, SelectorError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def unreached_by_backward(loss: torch.Tensor, model: nn.Module) -> tuple[str, ...]:

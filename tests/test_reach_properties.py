@@ -17,7 +17,6 @@ not) and custom Functions, in float32, float16 and bfloat16. On every one:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,13 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import isolate
 from isolate import cut_off_parameters, reachable_parameters, trace_forward
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _Gate(torch.autograd.Function):
