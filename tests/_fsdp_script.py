@@ -16,6 +16,7 @@ Modes:
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import socket
@@ -190,6 +191,7 @@ def engine_run(make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) 
     handle.restore()
     rec["requires_grad_after_restore"] = [p.requires_grad for p in model.parameters()]
     rec["aux_type_after_restore"] = type(model.aux).__name__
+    opt.zero_grad(set_to_none=True)  # no gradient left on a DTensor when the group goes
     return rec
 
 
@@ -395,6 +397,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             result["error"] = traceback.format_exc()
         Path(out, f"{mode}-rank{rank}.json").write_text(json.dumps(result, default=str))
     finally:
+        gc.collect()  # the sharded models and their pending collectives go first
         dist.barrier()
         dist.destroy_process_group()
 
