@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
-from isolate.fingerprints import _fingerprints, _local, fingerprint
+from isolate.fingerprints import Print, _fingerprints, _local, fingerprint
 from isolate.sharding import canonical_parameters
 
 __all__ = [
@@ -81,7 +81,7 @@ class _Entry:
     name: str
     kind: Literal["parameter", "buffer"]
     saved: torch.Tensor | None  # the copy, or None for a fingerprint
-    print: int  # fingerprint(); 0 with a copy
+    print: Print | None  # the fingerprint and its scheme; None with a copy
     shape: tuple[int, ...]
     dtype: torch.dtype
     layout: torch.layout
@@ -142,14 +142,16 @@ class Snapshot:
 
     def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
         current = self._current()
-        read = [
-            now
+        read = {
+            id(now): (now, e.print.scheme)
             for e in self._entries
-            if e.saved is None
+            if e.print is not None
             and (now := current.get(e.name)) is not None
             and tuple(_local(now).shape) == e.shape
-        ]
-        prints = _fingerprints(read)  # tied tensors are read once
+        }
+        # Tied tensors are read once, each by the scheme of its print (a tensor that moved
+        # between host and device since is read as it was).
+        prints = _fingerprints((t for t, _ in read.values()), {k: s for k, (_, s) in read.items()})
         out = []
         for entry in self._entries:
             now = current.get(entry.name)
@@ -312,7 +314,7 @@ def snapshot(
         copy: ``True`` keeps a copy of every tensor, so ``changed()`` tells by how much it
             moved (memory: the size of what is recorded). ``False`` keeps a 128-bit
             :func:`fingerprint` of each instead: any change of any bit is still caught, for
-            O(number of tensors) memory and about two reads of the weights per check, but
+            O(number of tensors) memory and about one read of the weights per check, but
             ``changed()`` reports ``nan`` for the size.
         device: where copies live; ``None`` keeps each on its tensor's device (faster, but
             costs accelerator memory). Unused with ``copy=False``.
@@ -354,7 +356,7 @@ def snapshot(
         raise SelectorError(
             f"{caller}: parameters={parameters!r} is not a filter; expected one of {list(_FILTERS)}"
         )
-    saved: dict[int, tuple[torch.Tensor | None, int]] = {}
+    saved: dict[int, tuple[torch.Tensor | None, Print | None]] = {}
     chosen: list[tuple[str, Literal["parameter", "buffer"], torch.Tensor, bool]] = []
 
     def entry(
@@ -374,7 +376,7 @@ def snapshot(
         # Aliases (tied weights, shared buffers) share one copy or fingerprint.
         if id(t) not in saved:
             data = _local(t)
-            saved[id(t)] = (data.clone() if device is None else data.to(device, copy=True), 0)
+            saved[id(t)] = (data.clone() if device is None else data.to(device, copy=True), None)
         kept, print_ = saved[id(t)]
         local = _local(t)
         live: Callable[[], torch.Tensor | None]

@@ -1,22 +1,45 @@
 """Fingerprints: 128 bits that change whenever any bit of a tensor changes.
 
-:func:`fingerprint` reads a tensor once, holds no copy of it, and needs a few MB of scratch
-memory; :func:`isolate.snapshot` keeps one per tensor with ``copy=False``, and the
-distributed checks exchange them instead of parameters.
+:func:`fingerprint` reads a tensor once and holds no copy of it; :func:`isolate.snapshot`
+keeps one per tensor with ``copy=False``, the engine's drift check keeps one per frozen
+tensor, and the distributed checks exchange them instead of parameters.
+
+Two schemes, chosen by where the tensor lives:
+
+* ``"host"`` (CPU tensors): XXH3-128 (the ``xxhash`` package) of the tensor's header and
+  raw bytes, read in place at memory speed, on as many threads as torch may use.
+* ``"device"`` (accelerators): two weighted int32 readings of the bytes summed on the device
+  itself, so that checking a frozen backbone never copies it to the host.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, NamedTuple
 
 import torch
+import xxhash
 from torch import nn
 
 from isolate.errors import IsolationTypeError
 
 __all__ = ["fingerprint"]
+
+Scheme = Literal["host", "device"]
+
+
+class Print(NamedTuple):
+    """A fingerprint and the scheme that made it: only prints of one scheme compare."""
+
+    scheme: Scheme
+    value: int
+
+
+# --------------------------------------------------------------------------------------------
+# the device scheme: weighted int32 sums, computed where the tensor lives
 
 _MASK64 = (1 << 64) - 1
 # A reading is cut into chunks of _LINES lines of _LANES int32 words. Word p of chunk k is
@@ -155,6 +178,76 @@ class _Stream:
         return self.total
 
 
+def _header(t: torch.Tensor) -> int:
+    text = f"{t.layout}|{t.dtype}|{tuple(t.shape)}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _chunk_lanes(data: torch.Tensor, stream: int) -> torch.Tensor:
+    """The lanes of one reading of at most one chunk of bytes: what ``_Stream`` computes
+    for a stream that fits in its first chunk, in a handful of operations."""
+    weights = _weights(stream, data.device)
+    lines = data.numel() // (4 * _LANES)
+    if lines:
+        words = _as_words(data[: 4 * _LANES * lines]).view(lines, _LANES)
+        lanes = _lane_sums(words, weights[:lines])
+    else:
+        lanes = torch.zeros(_LANES, dtype=torch.int32, device=data.device)
+    tail = data[4 * _LANES * lines :]
+    if tail.numel():
+        pad = -tail.numel() % 4
+        words = _as_words(nn.functional.pad(tail, (0, pad)) if pad else tail)
+        lanes[: words.numel()] += words * weights[lines]
+    return lanes
+
+
+def _device_fingerprint(t: torch.Tensor) -> int:
+    """The on-device scheme: two weighted int32 readings of the bytes (see ``fingerprint``)."""
+    nbytes = t.numel() * t.element_size()
+    if t.is_contiguous() and 0 < nbytes <= 4 * _LANES * _LINES:
+        # The common case (a parameter below 64 MiB): both readings of the first chunk.
+        data = t.reshape(-1).view(torch.uint8)
+        lanes = [_chunk_lanes(data, 0)]
+        if nbytes > _SHIFT:
+            lanes.append(_chunk_lanes(data[_SHIFT:], 1))
+        mixed = torch.stack(lanes).to(torch.int64)
+        mixed.mul_(torch.stack([_mixers(0, s, t.device) for s in range(len(lanes))]))
+        high, low, *_ = [int(v) & _MASK64 for v in mixed.sum(1).tolist()] + [0]
+    else:
+        streams = (_Stream(0, t.device), _Stream(1, t.device, skip=_SHIFT))
+        if nbytes:
+            for piece in _pieces(t):
+                for stream in streams:
+                    stream.feed(piece)
+        high, low = (s.digest() for s in streams)
+    return ((high ^ _header(t)) << 64) | low
+
+
+# --------------------------------------------------------------------------------------------
+# the host scheme: XXH3-128 of the raw bytes
+
+
+def _header_bytes(t: torch.Tensor) -> bytes:
+    """16 bytes naming the layout, dtype and shape: equal bytes of another shape differ."""
+    return hashlib.blake2b(
+        f"{t.layout}|{t.dtype}|{tuple(t.shape)}".encode(), digest_size=16
+    ).digest()
+
+
+def _host_fingerprint(t: torch.Tensor) -> int:
+    """XXH3-128 of the header and the bytes in row-major order, read in place when the tensor
+    is contiguous and in host memory (else copied to the host 8 MiB at a time)."""
+    hasher = xxhash.xxh3_128()
+    hasher.update(_header_bytes(t))
+    for piece in _pieces(t):
+        if piece.device.type != "cpu":
+            piece = piece.cpu()
+        size = piece.numel()
+        if size:  # the C buffer lives as long as ``piece``; xxhash lets go of the GIL
+            hasher.update((ctypes.c_char * size).from_address(piece.data_ptr()))
+    return hasher.intdigest()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank, any other tensor itself (detached)."""
     to_local = getattr(t, "to_local", None)
@@ -181,143 +274,6 @@ def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
         yield t[start : start + step].contiguous().reshape(-1).view(torch.uint8)
 
 
-def _header(t: torch.Tensor) -> int:
-    text = f"{t.layout}|{t.dtype}|{tuple(t.shape)}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
-
-
-def _chunk_lanes(data: torch.Tensor, stream: int) -> torch.Tensor:
-    """The lanes of one reading of at most one chunk of bytes: what ``_Stream`` computes
-    for a stream that fits in its first chunk, in a handful of operations."""
-    weights = _weights(stream, data.device)
-    lines = data.numel() // (4 * _LANES)
-    if lines:
-        words = _as_words(data[: 4 * _LANES * lines]).view(lines, _LANES)
-        lanes = _lane_sums(words, weights[:lines])
-    else:
-        lanes = torch.zeros(_LANES, dtype=torch.int32, device=data.device)
-    tail = data[4 * _LANES * lines :]
-    if tail.numel():
-        pad = -tail.numel() % 4
-        words = _as_words(nn.functional.pad(tail, (0, pad)) if pad else tail)
-        lanes[: words.numel()] += words * weights[lines]
-    return lanes
-
-
-def _dense_fingerprint(t: torch.Tensor) -> int:
-    nbytes = t.numel() * t.element_size()
-    if t.is_contiguous() and 0 < nbytes <= 4 * _LANES * _LINES:
-        # The common case (a parameter below 64 MiB): both readings of the first chunk.
-        data = t.reshape(-1).view(torch.uint8)
-        lanes = [_chunk_lanes(data, 0)]
-        if nbytes > _SHIFT:
-            lanes.append(_chunk_lanes(data[_SHIFT:], 1))
-        mixed = torch.stack(lanes).to(torch.int64)
-        mixed.mul_(torch.stack([_mixers(0, s, t.device) for s in range(len(lanes))]))
-        high, low, *_ = [int(v) & _MASK64 for v in mixed.sum(1).tolist()] + [0]
-    else:
-        streams = (_Stream(0, t.device), _Stream(1, t.device, skip=_SHIFT))
-        if nbytes:
-            for piece in _pieces(t):
-                for stream in streams:
-                    stream.feed(piece)
-        high, low = (s.digest() for s in streams)
-    return ((high ^ _header(t)) << 64) | low
-
-
-_BATCH_BYTES = 1 << 16  # tensors up to this size are fingerprinted together, ...
-_BATCH_BUFFER = 1 << 23  # ... a buffer of at most this many bytes at a time (8 MiB)
-
-
-def _batchable(t: torch.Tensor) -> bool:
-    return (
-        type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and t.device.type == "cpu"
-        and not t.is_quantized
-        and t.is_contiguous()
-        and _SHIFT < t.numel() * t.element_size() <= _BATCH_BYTES
-    )
-
-
-def _batch_fingerprints(tensors: list[torch.Tensor]) -> list[int]:
-    """``_dense_fingerprint`` of many small contiguous CPU tensors in a handful of operations.
-
-    Each reading of each tensor is zero-padded to whole lines (zero words add nothing, and a
-    partial last line is weighted as the next line, as in ``_chunk_lanes``) and laid out in one
-    buffer; every line is weighted by the weight of its index within its tensor, and the lines
-    of a tensor summed into its lanes with one ``index_add_``. Same numbers, but a tensor costs
-    a few views instead of a dozen operations (192 of the 288 tensors of a transformer are
-    biases and norms of a few KiB, which cost more than the 1 GB of weights read by mv).
-    """
-    line_bytes = 4 * _LANES
-    device = tensors[0].device
-    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    zeros = torch.zeros(line_bytes, dtype=torch.uint8, device=device)
-    digests = []
-    for stream in (0, 1):
-        pieces: list[torch.Tensor] = []
-        counts: list[int] = []
-        for data in flat:
-            if stream:
-                data = data[_SHIFT:]
-            size = data.numel()
-            pad = -size % line_bytes
-            pieces.append(data)
-            if pad:
-                pieces.append(zeros[:pad])
-            counts.append((size + pad) // line_bytes)
-        words = torch.cat(pieces).view(torch.int32).view(-1, _LANES)
-        sizes = torch.tensor(counts)
-        owner = torch.repeat_interleave(torch.arange(len(tensors)), sizes)
-        starts = torch.cumsum(sizes, 0) - sizes
-        line = torch.arange(words.shape[0]) - starts[owner]
-        weighted = words * _weights(stream, device)[line][:, None]
-        lanes = torch.zeros(len(tensors), _LANES, dtype=torch.int32, device=device)
-        lanes.index_add_(0, owner, weighted)
-        mixed = lanes.to(torch.int64).mul_(_mixers(0, stream, device)).sum(1)
-        digests.append([int(v) & _MASK64 for v in mixed.tolist()])
-    return [
-        ((high ^ _header(t)) << 64) | low
-        for t, high, low in zip(tensors, digests[0], digests[1], strict=True)
-    ]
-
-
-def _fingerprints(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """id -> fingerprint of each distinct tensor. Small contiguous CPU tensors are done
-    together (``_batch_fingerprints``); the others on as many threads as torch may use: the
-    integer mv is single-threaded, and torch lets go of the GIL while it runs."""
-    unique = list({id(t): t for t in tensors}.values())
-    prints: dict[int, int] = {}
-    small: list[tuple[int, torch.Tensor]] = []
-    rest: list[torch.Tensor] = []
-    for t in unique:
-        local = _local(t) if isinstance(t, torch.Tensor) else t
-        if isinstance(local, torch.Tensor) and _batchable(local):
-            small.append((id(t), local))
-        else:
-            rest.append(t)
-    with torch.no_grad():
-        while small:
-            group = [small.pop()]
-            size = group[0][1].numel() * group[0][1].element_size() + 4 * _LANES
-            while small and size + _BATCH_BYTES + 4 * _LANES <= _BATCH_BUFFER:
-                group.append(small.pop())
-                size += group[-1][1].numel() * group[-1][1].element_size() + 4 * _LANES
-            done = _batch_fingerprints([t for _, t in group])
-            prints.update((key, fp) for (key, _), fp in zip(group, done, strict=True))
-    workers = min(torch.get_num_threads(), len(rest))
-    if workers <= 1:
-        prints.update((id(t), fingerprint(t)) for t in rest)
-        return prints
-    largest_first = sorted(rest, key=lambda t: -t.numel() * t.element_size())
-    with ThreadPoolExecutor(workers) as pool:
-        prints.update(
-            zip(map(id, largest_first), pool.map(fingerprint, largest_first), strict=True)
-        )
-    return prints
-
-
 def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
     if t.layout == torch.sparse_coo:
         t = t if t.is_coalesced() else t.coalesce()  # the value, not one of its spellings
@@ -327,29 +283,109 @@ def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return [t.ccol_indices(), t.row_indices(), t.values()]
 
 
+def scheme_of(t: torch.Tensor) -> Scheme:
+    """The scheme :func:`fingerprint` uses for ``t``: ``"host"`` in CPU memory, else
+    ``"device"``."""
+    return "host" if t.device.type == "cpu" else "device"  # a DTensor: its shard's device
+
+
+def _fingerprint(tensor: torch.Tensor, scheme: Scheme, caller: str = "fingerprint()") -> int:
+    if not isinstance(tensor, torch.Tensor):
+        raise IsolationTypeError(f"{caller}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if isinstance(tensor, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
+        raise IsolationTypeError(
+            f"{caller}: an uninitialised lazy parameter has no values yet; run one forward "
+            "pass to materialise it before fingerprinting"
+        )
+    t = _local(tensor)
+    if t.device.type == "meta":
+        raise IsolationTypeError(f"{caller}: a meta tensor has no values to fingerprint")
+    if t.is_quantized:
+        raise IsolationTypeError(
+            f"{caller}: quantised dtype {t.dtype} is not supported; fingerprint "
+            "t.int_repr() and its scale/zero point instead"
+        )
+    dense = _host_fingerprint if scheme == "host" else _device_fingerprint
+    with torch.no_grad():
+        if t.layout == torch.strided:
+            return dense(t.resolve_conj().resolve_neg())
+        if t.layout not in _SPARSE:
+            raise IsolationTypeError(f"{caller}: tensors of layout {t.layout} are not supported")
+        parts = [dense(_local(p)) for p in _sparse_parts(t)]
+    text = f"{_header(t)}|" + "|".join(map(str, parts))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest(), "little")
+
+
+def _fingerprints(
+    tensors: Iterable[torch.Tensor], schemes: Mapping[int, Scheme] | None = None
+) -> dict[int, Print]:
+    """id -> :class:`Print` of each distinct tensor, by its own scheme or the one ``schemes``
+    gives for its id (to compare with a print made while the tensor lived elsewhere).
+
+    Host-scheme tensors are split into as many groups of about equal bytes as torch may use
+    threads, one thread per group (xxhash lets go of the GIL); the device scheme queues its
+    work on the device from this thread.
+    """
+    unique = list({id(t): t for t in tensors}.values())
+    chosen = {id(t): (schemes or {}).get(id(t)) or scheme_of(t) for t in unique}
+    prints = {
+        id(t): Print("device", _fingerprint(t, "device"))
+        for t in unique
+        if chosen[id(t)] == "device"
+    }
+    host = sorted(
+        (t for t in unique if chosen[id(t)] == "host"),
+        key=lambda t: -_local(t).numel() * _local(t).element_size(),
+    )
+    workers = min(torch.get_num_threads(), len(host))
+    groups: list[list[torch.Tensor]] = [[] for _ in range(max(workers, 1))]
+    loads = [0] * len(groups)
+    for t in host:  # largest first, each to the least loaded group
+        least = loads.index(min(loads))
+        groups[least].append(t)
+        loads[least] += _local(t).numel() * _local(t).element_size()
+
+    def run(group: list[torch.Tensor]) -> list[int]:
+        return [_fingerprint(t, "host") for t in group]
+
+    if workers <= 1:
+        done = [run(g) for g in groups]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            done = list(pool.map(run, groups))
+    for group, values in zip(groups, done, strict=True):
+        prints.update((id(t), Print("host", v)) for t, v in zip(group, values, strict=True))
+    return prints
+
+
 def fingerprint(tensor: torch.Tensor) -> int:
     """A 128-bit fingerprint of a tensor's layout, dtype, shape and the bits of its values.
 
     Equal tensors (same dtype, shape and bits, whatever their strides) have equal
-    fingerprints, on every rank and at any thread count; a change of any single bit of any
-    element always changes it. It holds no copy of the tensor: a contiguous tensor is read in
-    place (twice, see below), a non-contiguous one copied 8 MiB at a time. On a 302M-parameter
-    model it costs three to four reads of the weights (a ``sum``) on one CPU thread (``python
-    -m experiments.bench --only scale``): the two readings are two integer ``torch.mv``, and
-    torch's int32 mv runs at about memory speed even on data in cache, so they alone cost
-    about 2.5 reads. Small tensors are read together (``_fingerprints``).
+    fingerprints, on every rank and at any thread count, and a change of any bit of any
+    element changes it. It holds no copy of the tensor: a contiguous tensor is read in
+    place, a non-contiguous one copied 8 MiB at a time.
 
-    How: the tensor's bytes in row-major order are read as int32 words, twice (from byte 0
-    and from byte 2), so that every bit of every element is among the low 16 bits of a word
-    in one of the two readings. In each reading, words are summed mod 2**32 with odd weights
-    into 512 lanes, and the lanes mod 2**64 with odd weights. A change of one word moves its
-    lane by an odd multiple of a nonzero number below 2**32 and the total by an odd multiple
-    of that, never 0 mod 2**64: any single-bit flip (indeed any change within one 4-byte
-    word) is detected, always. A plain sum mod 2**64 would miss any even number of sign
-    flips of 8-byte values (``x.neg_()`` on float64); here a sign bit is bit 15 of a word in
-    one reading, and two flips of the same bit in one lane cannot cancel, because no two
-    weights agree or cancel mod 2**17. Other changes go unnoticed only if a 64-bit weighted
-    sum of their lane changes happens to vanish.
+    Compare fingerprints of tensors on the same kind of device: the scheme depends on where
+    the tensor lives (:func:`isolate.snapshot` records it, and re-reads a tensor that moved
+    by the scheme of its print).
+
+    * In CPU memory: XXH3-128 (``xxhash``) of a 16-byte header (layout, dtype, shape) and the
+      raw bytes in row-major order. It costs about one read of the weights (a ``sum``): 1.0x
+      to 1.1x on one thread on a 302M-parameter model, and several tensors are read at once
+      on several threads (``python -m experiments.bench --only scale``). A change goes
+      unnoticed only if two XXH3-128 digests collide: about 2**-128 for changes that are not
+      crafted against the hash. The tests flip every bit of every byte of 12 dtypes.
+    * On an accelerator: computed on the device, without a copy to the host. The bytes are
+      read as int32 words, twice (from byte 0 and from byte 2), so that every bit of every
+      element is among the low 16 bits of a word in one of the two readings; in each
+      reading, words are summed mod 2**32 with odd weights into 512 lanes, and the lanes mod
+      2**64 with odd weights. A change of one word moves its lane by an odd multiple of a
+      nonzero number below 2**32 and the total by an odd multiple of that, never 0 mod
+      2**64: any single-bit flip (indeed any change within one 4-byte word) is detected,
+      always; a sign bit is bit 15 of a word in one reading, and two flips of the same bit
+      in one lane cannot cancel, because no two weights agree or cancel mod 2**17, so
+      ``x.neg_()`` is always caught. On a CPU this scheme costs three to four reads.
 
     Args:
         tensor: a dense or sparse (COO, CSR, CSC, BSR, BSC) tensor of any dtype, on any
@@ -377,31 +413,4 @@ def fingerprint(tensor: torch.Tensor) -> int:
     >>> fingerprint(a) == fingerprint(b)
     False
     """
-    caller = "fingerprint()"
-    if not isinstance(tensor, torch.Tensor):
-        raise IsolationTypeError(f"{caller}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if isinstance(tensor, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
-        raise IsolationTypeError(
-            f"{caller}: an uninitialised lazy parameter has no values yet; run one forward "
-            "pass to materialise it before fingerprinting"
-        )
-    t = _local(tensor)
-    if t.device.type == "meta":
-        raise IsolationTypeError(f"{caller}: a meta tensor has no values to fingerprint")
-    if t.is_quantized:
-        raise IsolationTypeError(
-            f"{caller}: quantised dtype {t.dtype} is not supported; fingerprint "
-            "t.int_repr() and its scale/zero point instead"
-        )
-    with torch.no_grad():
-        if t.layout == torch.strided:
-            return _dense_fingerprint(t)
-        if t.layout not in _SPARSE:
-            raise IsolationTypeError(f"{caller}: tensors of layout {t.layout} are not supported")
-        parts = [_dense_fingerprint(_local(p)) for p in _sparse_parts(t)]
-    text = f"{_header(t)}|" + "|".join(map(str, parts))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest(), "little")
-
-
-# --------------------------------------------------------------------------------------------
-# snapshot
+    return _fingerprint(tensor, scheme_of(tensor) if isinstance(tensor, torch.Tensor) else "host")

@@ -380,15 +380,37 @@ def every_single_bit_flip(t: torch.Tensor) -> Iterable[tuple[int, int, torch.Ten
             yield byte, bit, flipped.view(t.dtype).reshape(t.shape)
 
 
+SCHEMES: list[fingerprinting.Scheme] = ["host", "device"]
+
+
+def by(scheme: fingerprinting.Scheme) -> Callable[[torch.Tensor], int]:
+    """``fingerprint`` by one scheme, whatever device the tensor is on (this machine has
+    only a CPU; the device scheme runs there the way it runs on an accelerator)."""
+    return lambda t: fingerprinting._fingerprint(t, scheme)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_every_single_bit_flip_changes_the_fingerprint(dtype: torch.dtype) -> None:
+def test_every_single_bit_flip_changes_the_fingerprint(
+    dtype: torch.dtype, scheme: fingerprinting.Scheme
+) -> None:
+    fp = by(scheme)
     t = sample(dtype, 7)  # an odd count: the last word is partial in both readings
-    reference = fingerprint(t)
-    assert fingerprint(t.clone()) == reference
-    prints = {fingerprint(f): (byte, bit) for byte, bit, f in every_single_bit_flip(t)}
+    reference = fp(t)
+    assert fp(t.clone()) == reference
+    prints = {fp(f): (byte, bit) for byte, bit, f in every_single_bit_flip(t)}
     assert reference not in prints
     # every flip gives its own fingerprint, too: none collides with another
     assert len(prints) == t.numel() * t.element_size() * 8
+
+
+def test_fingerprint_picks_its_scheme_by_where_the_tensor_lives() -> None:
+    t = sample(torch.float32, 300)
+    assert fingerprinting.scheme_of(t) == "host"
+    assert fingerprint(t) == by("host")(t) != by("device")(t)  # two schemes: two numbers
+    assert fingerprinting._fingerprints([t, t]) == {id(t): ("host", fingerprint(t))}
+    forced = fingerprinting._fingerprints([t], {id(t): "device"})
+    assert forced == {id(t): ("device", by("device")(t))}
 
 
 def test_single_bit_flips_across_lines_chunks_and_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -399,51 +421,67 @@ def test_single_bit_flips_across_lines_chunks_and_pieces(monkeypatch: pytest.Mon
     monkeypatch.setattr(fingerprinting, "_line_weights", {})
     monkeypatch.setattr(fingerprinting, "_lane_weights", {})
     t = sample(torch.float32, 9, 11)  # 99 words: 3 chunks and a partial one
-    reference = fingerprint(t)
-    assert fingerprint(t.t().contiguous().t()) == reference  # non-contiguous: fed in pieces
-    assert fingerprint(t.t()) == fingerprint(t.t().contiguous())
-    prints = {fingerprint(f) for _, _, f in every_single_bit_flip(t)}
-    assert reference not in prints and len(prints) == 99 * 32
+    for scheme in SCHEMES:
+        fp = by(scheme)
+        reference = fp(t)
+        assert fp(t.t().contiguous().t()) == reference  # non-contiguous: fed in pieces
+        assert fp(t.t()) == fp(t.t().contiguous())
+        prints = {fp(f) for _, _, f in every_single_bit_flip(t)}
+        assert reference not in prints and len(prints) == 99 * 32, scheme
 
 
-def test_sign_flips_do_not_cancel() -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_sign_flips_do_not_cancel(scheme: fingerprinting.Scheme) -> None:
     """A plain weighted sum mod 2**64 of 8-byte words sees only the parity of top-bit flips:
     negating an even number of float64 values would go unnoticed. Here it does not."""
+    fp = by(scheme)
     x = sample(torch.float64, 6)
     words = x.view(torch.int64)
     weights = torch.arange(1, 13, 2, dtype=torch.int64)  # odd weights, as a naive hash would
     assert int((words * weights).sum()) == int((x.neg().view(torch.int64) * weights).sum())
-    assert fingerprint(x.neg()) != fingerprint(x)
+    assert fp(x.neg()) != fp(x)
     for dtype in ALL_DTYPES[:6]:
         t = sample(dtype, 2048)
         for i, j in [(0, 1), (0, 2), (3, 515), (1, 2047)]:
             negated = t.clone()
             negated[[i, j]] = -negated[[i, j]]
-            assert fingerprint(negated) != fingerprint(t), (dtype, i, j)
-        assert fingerprint(t.neg()) != fingerprint(t)
+            assert fp(negated) != fp(t), (dtype, i, j)
+        assert fp(t.neg()) != fp(t)
 
 
-def test_fingerprint_reads_values_not_strides() -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fingerprint_reads_values_not_strides(scheme: fingerprinting.Scheme) -> None:
+    fp = by(scheme)
     x = sample(torch.float32, 64, 48)
-    assert fingerprint(x.t()) == fingerprint(x.t().contiguous())
-    assert fingerprint(x[:, ::3]) == fingerprint(x[:, ::3].contiguous())
-    assert fingerprint(x.reshape(48, 64)) != fingerprint(x)  # same bytes, other shape
-    assert fingerprint(x.view(torch.int32)) != fingerprint(x)  # same bytes, other dtype
-    assert fingerprint(torch.tensor(0.0)) != fingerprint(torch.tensor(-0.0))  # bits, not values
-    assert fingerprint(torch.empty(0)) != fingerprint(torch.empty(0, 3))
-    assert 0 <= fingerprint(x) < 2**128
+    assert fp(x.t()) == fp(x.t().contiguous())
+    assert fp(x[:, ::3]) == fp(x[:, ::3].contiguous())
+    assert fp(x[1:]) == fp(x[1:].clone())  # a storage offset
+    assert fp(x.reshape(48, 64)) != fp(x)  # same bytes, other shape
+    assert fp(x.view(torch.int32)) != fp(x)  # same bytes, other dtype
+    assert fp(torch.tensor(0.0)) != fp(torch.tensor(-0.0))  # bits, not values
+    assert fp(torch.empty(0)) != fp(torch.empty(0, 3))
+    assert fp(torch.empty(0)) == fp(torch.empty(0))
+    assert 0 <= fp(x) < 2**128
+    z = torch.randn(5, dtype=torch.complex64)
+    assert fp(z.conj()) == fp(z.conj().resolve_conj())  # a lazy conjugate: its values
+    assert fp(z.conj()) != fp(z)
 
 
-def test_fingerprint_is_the_same_at_any_thread_count() -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fingerprint_is_the_same_at_any_thread_count(scheme: fingerprinting.Scheme) -> None:
     x = sample(torch.float32, 3_000_000)
+    many = [sample(torch.float32, 1000 * (i % 7) + 1, seed=i) for i in range(40)]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = fingerprint(x)
+        one = by(scheme)(x)
+        batch = fingerprinting._fingerprints(many, {id(t): scheme for t in many})
         torch.set_num_threads(2)
-        assert fingerprint(x) == one
+        assert by(scheme)(x) == one
+        assert fingerprinting._fingerprints(many, {id(t): scheme for t in many}) == batch
     finally:
         torch.set_num_threads(threads)
+    assert [batch[id(t)] for t in many] == [(scheme, by(scheme)(t)) for t in many]
 
 
 def test_accelerator_formula_agrees_with_mv() -> None:
@@ -456,6 +494,23 @@ def test_accelerator_formula_agrees_with_mv() -> None:
     assert odd.tolist() == torch.arange(2, 14, dtype=torch.uint8).view(torch.int32).tolist()
 
 
+def test_a_print_is_checked_by_its_own_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot taken on an accelerator and checked after the model moved to the host (or
+    the other way round) compares like with like: no false alarm, and a change is caught."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    with monkeypatch.context() as m:
+        m.setattr(fingerprinting, "scheme_of", lambda t: "device")  # as if on a GPU
+        snap = snapshot(model, copy=False)
+        from isolate.checks import DriftWatch
+
+        watch = DriftWatch(model, ["0.weight"], ["1.running_mean"])
+    assert {e.print.scheme for e in snap._entries if e.print} == {"device"}
+    assert snap.changed() == {} and watch.changed(model) == {}  # now read on the host
+    with torch.no_grad():
+        model[0].weight[1, 2] = -model[0].weight[1, 2]
+    assert list(snap.changed()) == ["0.weight"] and list(watch.changed(model)) == ["0.weight"]
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -465,7 +520,11 @@ def test_accelerator_formula_agrees_with_mv() -> None:
     ],
     ids=["coo", "csr", "csc"],
 )
-def test_fingerprint_of_sparse_tensors(make: Callable[[], torch.Tensor]) -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fingerprint_of_sparse_tensors(
+    make: Callable[[], torch.Tensor], scheme: fingerprinting.Scheme
+) -> None:
+    fingerprint = by(scheme)
     t = make()
     assert fingerprint(t) == fingerprint(make())
     values = t.values()
@@ -698,7 +757,7 @@ def test_names_errors() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Small tensors are fingerprinted together: the same numbers as one at a time
+# Many tensors at once (on several threads): the same numbers as one at a time
 
 
 def _small_tensors() -> list[torch.Tensor]:
@@ -706,25 +765,16 @@ def _small_tensors() -> list[torch.Tensor]:
     tensors = [sample(dtype, n, seed=n) for dtype in ALL_DTYPES for n in sizes]
     base = sample(torch.float16, 51)
     tensors += [base[1:], sample(torch.float32, 50)[1:], sample(torch.float32, 8, 9).t()]
-    return [*tensors, sample(torch.float32, 100_000)]  # too big for a batch
+    return [*tensors, sample(torch.float32, 100_000)]
 
 
-def test_batched_fingerprints_equal_one_at_a_time() -> None:
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_many_fingerprints_equal_one_at_a_time(scheme: fingerprinting.Scheme) -> None:
     tensors = _small_tensors()
-    batched = fingerprinting._fingerprints(tensors)
-    assert [batched[id(t)] for t in tensors] == [fingerprint(t) for t in tensors]
-
-
-def test_batched_fingerprints_equal_one_at_a_time_in_a_small_geometry(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(fingerprinting, "_LANES", 8)
-    monkeypatch.setattr(fingerprinting, "_line_weights", {})
-    monkeypatch.setattr(fingerprinting, "_lane_weights", {})
-    monkeypatch.setattr(fingerprinting, "_BATCH_BUFFER", 4096)  # several batches
-    tensors = [sample(torch.float32, n, seed=n) for n in range(3, 120)]
-    batched = fingerprinting._fingerprints(tensors)
-    assert [batched[id(t)] for t in tensors] == [fingerprint(t) for t in tensors]
+    many = fingerprinting._fingerprints(tensors, {id(t): scheme for t in tensors})
+    assert [many[id(t)] for t in tensors] == [(scheme, by(scheme)(t)) for t in tensors]
+    if scheme == "host":
+        assert [many[id(t)].value for t in tensors] == [fingerprint(t) for t in tensors]
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
