@@ -18,11 +18,13 @@ phases of a shared machine hit both sides alike.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gc
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import threading
 import time
@@ -601,17 +603,12 @@ def device_scheme(model: nn.Module) -> Callable[[], None]:
 
 
 def callback_verification(model: nn.Module, frozen: list[str]) -> Callable[[torch.Tensor], None]:
-    """What the callback does at a check step: a fingerprint check of the frozen tensors and a
-    reachability walk from the loss.
-
-    HOOK: built by hand here until the core engine lands; point it at the engine's
-    ``handle.verify`` then, so that the row measures the callback's real check.
-    """
-    snap = isolate.snapshot(model, names=frozen, copy=False)
+    """What the callback does at a check step: the engine's ``verify`` of a spec freezing
+    ``frozen`` (drift by fingerprints, the loss's reach both ways, the flags)."""
+    handle = isolate.IsolationSpec(freeze=frozen).apply(model)
 
     def verify(loss: torch.Tensor) -> None:
-        snap.assert_unchanged()
-        reachable_parameters(loss, model)
+        handle.verify({"loss": loss}, total=loss)
 
     return verify
 
@@ -789,14 +786,20 @@ def _scale_wrappers(cfg: ScaleConfig) -> list[Row]:
     """The wrappers' own cost per call (forward + backward of a small branch)."""
     torch.manual_seed(0)
     side = nn.Linear(cfg.width, 10)
-    features = torch.randn(cfg.batch * cfg.tokens, cfg.width, requires_grad=True)
-    pairs: dict[str, tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]] = {
-        "Detached": (isolate.Detached(side), lambda f: side(f.detach())),
-        "Cloned": (isolate.Cloned(side), lambda f: side(f.clone())),
-        "GradientScale(-1)": (
-            nn.Sequential(isolate.GradientScale(-1.0), side),
-            lambda f: side(_ReverseByHand.apply(f)),
-        ),
+    # Features as a trunk hands them over: not a leaf (a leaf that requires grad, such as a
+    # parameter, is copied by GradientScale so that an in-place op cannot write into it).
+    leaf = torch.randn(cfg.batch * cfg.tokens, cfg.width, requires_grad=True)
+    features = leaf.view_as(leaf)
+    detached, cloned, reverse = (
+        isolate.Detached(side),
+        isolate.Cloned(side),
+        isolate.GradientScale(-1),
+    )
+    Branch = Callable[[torch.Tensor], torch.Tensor]
+    pairs: dict[str, tuple[Branch, Branch]] = {
+        "Detached": (detached, lambda f: side(f.detach())),
+        "Cloned": (cloned, lambda f: side(f.clone())),
+        "GradientScale(-1)": (lambda f: side(reverse(f)), lambda f: side(_ReverseByHand.apply(f))),
     }
     rows = []
     try:
@@ -813,14 +816,14 @@ def _scale_wrappers(cfg: ScaleConfig) -> list[Row]:
                             "overhead <= 12 us", False, {"overhead per call (us)": overhead},
                             limit=12.0, metric_name="overhead per call (us)"))  # fmt: skip
     finally:
-        for wrapped, _ in pairs.values():
-            if isinstance(wrapped, isolate.Detached | isolate.Cloned):
-                wrapped.unwrap()
+        detached.unwrap()
+        cloned.unwrap()
     return rows
 
 
 def _scale_resolved_freeze(cfg: ScaleConfig) -> list[Row]:
-    """Applying and restoring an already resolved selection against the bare flag loop."""
+    """Applying and restoring an already resolved selection against the bare flag loop:
+    freezing a trainable model, and thawing a frozen one (what a thaw step does)."""
     from isolate.freezing import FreezeHandle
 
     count = 100 if cfg.repeat < 3 else 5000  # two tensors per layer
@@ -829,24 +832,58 @@ def _scale_resolved_freeze(cfg: ScaleConfig) -> list[Row]:
     resolved = dict(model.named_parameters())
     norms: dict[str, nn.Module] = {}
     tensors = list(resolved.values())
+    tiny = cfg.repeat < 3
+    rows = []
+    for thaw in (False, True):
+        model.requires_grad_(thaw)  # thawing starts from a frozen model
+        start = not thaw
 
-    def apply_restore() -> None:
-        FreezeHandle(model, "freeze()", resolved, norms, False, "eval").restore()
+        def apply_restore(thaw: bool = thaw) -> None:
+            FreezeHandle(model, "freeze()", resolved, norms, thaw, "eval").restore()
 
-    def by_hand() -> None:
-        flags = [p.requires_grad for p in tensors]
-        for p in tensors:
-            p.requires_grad_(False)
-        for p, flag in zip(tensors, flags, strict=True):
-            p.requires_grad_(flag)
+        def by_hand(start: bool = start) -> None:
+            flags = [p.requires_grad for p in tensors]
+            for p in tensors:
+                p.requires_grad_(not start)
+            for p, flag in zip(tensors, flags, strict=True):
+                p.requires_grad_(flag)
+
+        c, b, ratio = _paired(
+            apply_restore, by_hand, warmup=2, repeat=6 if tiny else 30, collect=not tiny
+        )
+        what = "thaw" if thaw else "apply"
+        rows.append(Row(f"{what} + restore of a resolved selection, {len(tensors)} tensors",
+                        "FreezeHandle(...).restore()", "bare requires_grad loop", c, b, "<= 1.5",
+                        False, paired_ratio=ratio, limit=1.5))  # fmt: skip
+    model.requires_grad_(True)
+    return rows
+
+
+def _scale_resolution(cfg: ScaleConfig) -> list[Row]:
+    """Resolving glob selectors from scratch against the least any resolver does: one
+    ``named_parameters()`` walk and ``fnmatch`` over the names."""
+    from isolate._selectors import select
+
+    count = 100 if cfg.repeat < 3 else 5000  # two tensors per layer
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(count))  # type: ignore[assignment]
+    selectors = ("blocks.*.weight", "blocks.*.bias")
+
+    def resolve() -> None:
+        select(model, selectors, "bench")
+
+    def walk_and_match() -> None:
+        patterns = [re.compile(fnmatch.translate(s)) for s in selectors]
+        names = [name for name, _ in model.named_parameters()]
+        [name for name in names if any(p.match(name) for p in patterns)]
 
     tiny = cfg.repeat < 3
     c, b, ratio = _paired(
-        apply_restore, by_hand, warmup=2, repeat=6 if tiny else 30, collect=not tiny
+        resolve, walk_and_match, warmup=2, repeat=6 if tiny else 30, collect=not tiny
     )
-    return [Row(f"apply + restore of a resolved selection, {len(tensors)} tensors",
-                "FreezeHandle(...).restore()", "bare requires_grad loop", c, b, "<= 1.5", False,
-                paired_ratio=ratio, limit=1.5)]  # fmt: skip
+    return [Row(f"resolving 2 glob selectors from scratch, {2 * count} tensors", "select()",
+                "named_parameters() walk + fnmatch", c, b, "<= 1.0", False,
+                paired_ratio=ratio, limit=1.0)]  # fmt: skip
 
 
 def bench_scale(quick: bool) -> list[Row]:
@@ -862,6 +899,7 @@ def bench_scale(quick: bool) -> list[Row]:
     rows += _scale_report(cfg)
     rows += _scale_wrappers(cfg)
     rows += _scale_resolved_freeze(cfg)
+    rows += _scale_resolution(cfg)
     return rows
 
 

@@ -55,7 +55,12 @@ class Cloned(Wrapper):
         super().__init__(branch)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = map_tensors(
-            torch.Tensor.clone, (args, kwargs), f"Cloned({type(self.module).__name__})"
-        )
-        return self.module(*args, **kwargs)
+        module = self._modules["module"]  # no __getattr__ on the way: called every step
+        if kwargs:
+            args, kwargs = map_tensors(torch.Tensor.clone, (args, kwargs), self._caller())
+        else:
+            args = map_tensors(torch.Tensor.clone, args, self._caller())
+        return module(*args, **kwargs)  # type: ignore[misc]
+
+    def _caller(self) -> str:
+        return f"Cloned({type(self._modules['module']).__name__})"

@@ -130,9 +130,12 @@ class Detached(Wrapper):
             return detached
 
         # One pass detaches and collects: the per-call cost stays a few microseconds.
-        args, kwargs = map_tensors(detach, (args, kwargs), caller)
+        if kwargs:
+            args, kwargs = map_tensors(detach, (args, kwargs), caller)
+        else:
+            args = map_tensors(detach, args, caller)
         before = [t._version for t in watched]
-        out = self.module(*args, **kwargs)
+        out = self._modules["module"](*args, **kwargs)  # type: ignore[misc]
         after = [t._version for t in watched]
         if before != after:
             self._raise_inplace(watched, before, after)
@@ -185,7 +188,7 @@ class _ScaleGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.alpha, None
+        return _scaled(grad, ctx.alpha), None
 
 
 class _ScaleGradientFunc(torch.autograd.Function):
@@ -205,7 +208,12 @@ class _ScaleGradientFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.alpha, None
+        return _scaled(grad, ctx.alpha), None
+
+
+def _scaled(grad: torch.Tensor, alpha: float) -> torch.Tensor:
+    # neg() for gradient reversal: a multiplication by a Python number costs a few us more
+    return grad.neg() if alpha == -1.0 else grad * alpha
 
 
 def _scale(t: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -92,7 +92,11 @@ def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
         "Cloned per-call overhead",
         "GradientScale(-1) per-call overhead",
         "apply + restore of a resolved selection",
+        "thaw + restore of a resolved selection",
+        "resolving 2 glob selectors from scratch",
     ]
+    check = rows["fingerprint check"]["extra"]
+    assert check["device scheme on this CPU / one read"] > 0
     memory = rows["fingerprint snapshot extra resident memory"]
     assert memory["unit"] == "bytes" and memory["metric_name"] == "extra MB"
     assert memory["baseline_s"] == sum(
