@@ -163,11 +163,24 @@ class IsolationHandle:
         self._watch = None
         self._active = False
 
-    def attach(self, optimizers: Optimizers, schedulers: Sequence[Any] = ()) -> None:
+    def attach(
+        self,
+        optimizers: Optimizers,
+        schedulers: Sequence[Any] = (),
+        *,
+        built_before_apply: bool = False,
+    ) -> None:
         """Take frozen parameters out of ``optimizers`` and plan where thawed groups go.
 
         Groups already thawed (by :meth:`load_state_dict`) join as new param groups at once,
         in the order they were thawed, so an optimizer state saved with them loads.
+
+        A frozen parameter found in an optimizer is taken out with an ``IsolationWarning``
+        (a zero gradient with weight decay or momentum would move it; build the optimizer
+        from trainable parameters only). With ``built_before_apply=True`` the optimizers
+        were built before the spec froze anything (Lightning's ``ModelParallelStrategy``
+        applies the spec at fit start, after ``configure_optimizers``), so they cannot help
+        holding the parameters it froze: those are taken out without a warning.
 
         Raises:
             SpecError: as :meth:`IsolationSpec.apply`, or held BatchNorm layers were replaced
@@ -177,7 +190,12 @@ class IsolationHandle:
         opts = as_optimizers(optimizers, f"{self._caller}.attach()")
         self.plan.check_norms_present(self._caller)
         self._link.attach(
-            self.plan, opts, schedulers, list(self._thaws.applied), self.frozen_parameters()
+            self.plan,
+            opts,
+            schedulers,
+            list(self._thaws.applied),
+            self.frozen_parameters(),
+            warn=not built_before_apply,
         )
         self._watch = self._new_watch()
 

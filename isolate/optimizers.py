@@ -293,8 +293,11 @@ class OptimizerLink:
         schedulers: Sequence[Any],
         thawed: Sequence[str],
         frozen: Mapping[str, nn.Parameter],
+        *,
+        warn: bool = True,
     ) -> None:
-        """Take the frozen parameters out; re-add the groups in ``thawed``, in that order."""
+        """Take the frozen parameters out (saying so when ``warn``); re-add the groups in
+        ``thawed``, in that order."""
         held, placements = place(plan, optimizers, set(thawed), self.caller)
         for g in plan.groups:  # refuse before anything changes, not at the thaw
             where = f"{self.caller}: thaw group {g.name!r}"
@@ -308,7 +311,7 @@ class OptimizerLink:
         frozen_ids = {id(p) for p in frozen.values()}
         exposed = [s for s in held if id(s.param) in frozen_ids]
         take_out(optimizers, held)
-        if exposed:
+        if exposed and warn:
             self._warn_removed(plan, exposed)
         for name in thawed:
             self.join(plan.group(name), None, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -182,6 +183,26 @@ def test_a_thaw_adds_the_group_once_by_identity_with_its_settings() -> None:
     assert handle.step(epoch=2, step=7) == []
     assert sum(len(g) for g in groups_of(opt)) == 6
     handle.restore()
+
+
+def test_an_optimizer_built_before_the_spec_gives_up_its_frozen_parameters_quietly() -> None:
+    """Lightning's ModelParallelStrategy applies the spec after configure_optimizers: the
+    optimizer cannot help holding what the spec freezes, so taking them out is no news."""
+    before, after = Net(), Net()
+    early = torch.optim.AdamW(before.parameters(), lr=0.1, weight_decay=0.1)
+    quiet, loud = SPEC.apply(before), SPEC.apply(after)
+    late = torch.optim.AdamW(after.parameters(), lr=0.1, weight_decay=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet.attach(early, built_before_apply=True)
+    assert [str(w.message) for w in caught] == []
+    with pytest.warns(isolate.IsolationWarning, match=r"took 6 frozen parameters out"):
+        loud.attach(late)  # built from a frozen model's parameters: worth a warning
+    for model, opt in ((before, early), (after, late)):
+        trainable = [id(p) for p in model.parameters() if p.requires_grad]
+        assert groups_of(opt) == [trainable]  # taken out either way
+    quiet.restore()
+    loud.restore()
 
 
 def test_thaw_takes_an_optimizer_and_an_lr() -> None:

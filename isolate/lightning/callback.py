@@ -227,7 +227,8 @@ class IsolationCallback(CheckpointState):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Take frozen parameters out of the optimizers and plan where thawed ones go."""
         trainer.strategy.__dict__.pop("load_model_state_dict", None)  # no resume: not needed
-        if self.handle is None and applies_at_fit_start(trainer):
+        at_fit_start = self.handle is None and applies_at_fit_start(trainer)
+        if at_fit_start:
             # Resolved by name against the sharded module; a resume thaws what was thawed
             # now, before the strategy loads the optimizer state into the param groups.
             self.handle = IsolationHandle.apply(
@@ -238,7 +239,9 @@ class IsolationCallback(CheckpointState):
             return
         try:
             self.handle.attach(
-                trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs]
+                trainer.optimizers,
+                [c.scheduler for c in trainer.lr_scheduler_configs],
+                built_before_apply=at_fit_start,  # configure_optimizers saw nothing frozen
             )
         except IsolationError:
             self._restore()
