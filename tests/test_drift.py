@@ -404,6 +404,28 @@ def test_every_single_bit_flip_changes_the_fingerprint(
     assert len(prints) == t.numel() * t.element_size() * 8
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_single_bit_flips_anywhere_in_a_large_tensor(scheme: fingerprinting.Scheme) -> None:
+    """XXH3 hashes 1 KiB blocks of 64-byte stripes and re-reads the last 64 bytes; the device
+    scheme cuts lines of 2 KiB. Flip every bit at both ends and at random places between,
+    and every bit of every byte around the block and line boundaries."""
+    fp = by(scheme)
+    raw = sample(torch.uint8, 1_000_003)  # an odd size: partial words, stripes and lines
+    reference = fp(raw)
+    places = [*range(96), *range(raw.numel() - 96, raw.numel())]
+    places += [b + d for b in (1024, 2048, 4096, 65536) for d in (-1, 0, 1)]
+    places += torch.randint(0, raw.numel(), (64,), generator=torch.Generator().manual_seed(3))
+    seen = {reference}
+    for byte in sorted(set(map(int, places))):
+        for bit in range(8):
+            raw[byte] ^= 1 << bit
+            print_ = fp(raw)
+            raw[byte] ^= 1 << bit
+            assert print_ not in seen, (byte, bit)  # changed, and unlike any other flip
+            seen.add(print_)
+    assert fp(raw) == reference
+
+
 def test_fingerprint_picks_its_scheme_by_where_the_tensor_lives() -> None:
     t = sample(torch.float32, 300)
     assert fingerprinting.scheme_of(t) == "host"
