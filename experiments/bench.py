@@ -7,6 +7,10 @@ The ``scale`` section (``--only scale``) measures the checks on a large model; i
 by ``--scale-layers/--scale-width`` (default: 24 encoder layers of width 1024, 302M
 parameters, 1.2 GB in fp32; under 3 minutes at one thread on a busy 2-core machine, peak resident
 memory under 4 GB).
+The ``sharded`` section (``--only sharded``) measures the engine's verification against a
+training step under ``fully_shard`` (FSDP2) on 2 CPU processes (gloo); its size is set by
+``--sharded-layers/--sharded-width`` (default: 8 encoder layers of width 512, 25M parameters,
+40 s on an idle 2-core machine).
 
 Every row states its target as a limit on one number (``metric``, the ratio unless said
 otherwise), and ``ok`` is that limit applied to the number written next to it.
@@ -25,11 +29,15 @@ import math
 import os
 import platform
 import re
+import socket
 import statistics
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,7 @@ from torch import nn
 
 import isolate
 from isolate import gradient_report, reachable_parameters
+from isolate.checks import Verification
 from isolate.fingerprints import Scheme, _fingerprints
 
 
@@ -903,6 +912,223 @@ def bench_scale(quick: bool) -> list[Row]:
     return rows
 
 
+# --- sharded: the verification under 2-process FSDP2 ------------------------------------------
+
+
+@dataclass
+class ShardedConfig:
+    """Sizes of the ``sharded`` section (``--sharded-*`` options): a transformer encoder
+    sharded by ``fully_shard`` over 2 CPU processes (gloo), the first half of its layers
+    frozen; the default is 8 layers of width 512, 25M parameters."""
+
+    layers: int = 8
+    width: int = 512
+    heads: int = 8
+    batch: int = 4  # per process
+    tokens: int = 64
+    check_every: int = 50  # the callback's verify_every_n_steps, to amortise a check
+    warmup: int = 2
+    repeat: int = 20
+
+
+QUICK_SHARDED = ShardedConfig(layers=2, width=64, heads=4, batch=2, tokens=8, warmup=1, repeat=2)
+sharded_config = ShardedConfig()
+SHARDED_WORLD = 2
+# Left over from an enclosing distributed run, these would make the workers join it.
+_RENDEZVOUS = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What the callback checks at the end of a check step (no graph needed).
+_END_OF_STEP_CHECKS = ("drift", "flags", "optimizers", "ranks")
+
+
+def _sharded_run(cfg: ShardedConfig) -> dict[str, Any]:
+    """One rank's part: train the sharded model, timing plain steps against the engine's
+    ``verify`` (every check, the ``ranks`` collective included) run before backward in a step
+    of its own; then move one element of a frozen shard on rank 1 and verify again."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    model = transformer(cfg.layers, cfg.width, cfg.heads)  # seeded: the same on every rank
+    params = sum(p.numel() for p in model.parameters())
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    frozen = tuple(f"layers.{i}" for i in range(cfg.layers // 2))  # the first half
+    handle = isolate.IsolationSpec(freeze=frozen).apply(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    handle.attach(optimizer)  # searched by the "optimizers" check
+    x = torch.randn(cfg.batch, cfg.tokens, cfg.width, generator=torch.Generator().manual_seed(rank))
+    verifications: list[Verification] = []
+
+    def timed(fn: Callable[[], object]) -> float:
+        gc.collect()
+        dist.barrier()  # both ranks start together: neither time holds the other's lag
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def finish(loss: torch.Tensor) -> None:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        finish(model(x).square().mean())
+
+    def check_step() -> float:
+        loss = model(x).square().mean()
+        check = timed(lambda: verifications.append(handle.verify({"loss": loss}, total=loss)))
+        finish(loss)
+        return check
+
+    steps: list[float] = []
+    checks: list[float] = []
+    try:
+        for i in range(cfg.warmup + cfg.repeat):
+            # Alternate which goes first so neither always runs on a warmer cache.
+            if i % 2 == 0:
+                s = timed(step)
+                c = check_step()
+            else:
+                c = check_step()
+                s = timed(step)
+            if i >= cfg.warmup:
+                steps.append(s)
+                checks.append(c)
+        # The ranks check is a collective of its own (one all_gather_object of fingerprints;
+        # the Verification's count of ranks is the world size whether it ran or not): count
+        # it in one more check step, outside the timings.
+        gathers: list[int] = []
+        plain = dist.all_gather_object
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            gathers.append(1)
+            return plain(*args, **kwargs)
+
+        dist.all_gather_object = counted
+        try:
+            check_step()
+        finally:
+            dist.all_gather_object = plain
+        # The checks are real: one element of a frozen tensor's shard moves on rank 1 only.
+        nudged = "layers.0.linear1.weight"
+        if rank == 1:
+            local = model.get_parameter(nudged).to_local()  # type: ignore[attr-defined]
+            with torch.no_grad():
+                local[(0,) * local.dim()] += 1e-3
+        try:
+            handle.verify(checks=_END_OF_STEP_CHECKS)  # every rank: "ranks" is a collective
+            caught = ""
+        except isolate.IsolationError as error:
+            caught = f"{type(error).__name__}: {error}"
+    finally:
+        optimizer.zero_grad(set_to_none=True)  # no gradient left on a DTensor at teardown
+        handle.restore()
+    last = verifications[-1]
+    return {
+        "rank": rank,
+        "parameters": params,
+        "frozen tensors": len(handle.plan.frozen),
+        "steps": steps,
+        "checks": checks,
+        "verification": asdict(last),
+        "gathers per verify": len(gathers),
+        "nudged": nudged,
+        "caught": caught,
+    }
+
+
+def _sharded_worker(rank: int, world: int, port: int, cfg: ShardedConfig, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=10),  # a rank left waiting fails instead of hanging
+    )
+    try:
+        result = _sharded_run(cfg)
+        Path(out, f"sharded-rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        gc.collect()  # the sharded model and its pending collectives go first
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _worker_env() -> Iterator[None]:
+    """One thread per worker and no inherited rendezvous, for the workers spawned inside."""
+    saved = {key: os.environ.get(key) for key in (*_RENDEZVOUS, "OMP_NUM_THREADS")}
+    for key in _RENDEZVOUS:
+        os.environ.pop(key, None)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def sharded_ranks(cfg: ShardedConfig) -> list[dict[str, Any]]:
+    """What each of the :data:`SHARDED_WORLD` processes measured, by rank."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="isolate-bench-") as out, _worker_env():
+        mp.spawn(_sharded_worker, args=(SHARDED_WORLD, port, cfg, out), nprocs=SHARDED_WORLD)
+        return [
+            json.loads(Path(out, f"sharded-rank{r}.json").read_text()) for r in range(SHARDED_WORLD)
+        ]
+
+
+def bench_sharded(quick: bool) -> list[Row]:
+    cfg = QUICK_SHARDED if quick else sharded_config
+    ranks = sharded_ranks(cfg)
+    lead = ranks[0]  # the timings of rank 0; the ranks wait for each other at every collective
+
+    def per_check(rank: dict[str, Any]) -> float:
+        # The check and the step of one round ran back to back: the geometric mean of their
+        # ratios cancels slow phases of the machine.
+        pairs = zip(rank["checks"], rank["steps"], strict=True)
+        return math.exp(statistics.fmean(math.log(c / s) for c, s in pairs))
+
+    step_s, check_s = statistics.median(lead["steps"]), statistics.median(lead["checks"])
+    ratio = per_check(lead)
+    label = (
+        f"{lead['parameters'] / 1e6:.3g}M-parameter transformer ({cfg.layers}x{cfg.width}), "
+        f"fully_shard on {SHARDED_WORLD} gloo processes"
+    )
+    every = cfg.check_every
+    extra = {
+        "check / one step": ratio,
+        "rank 1 check / one step": per_check(ranks[1]),
+        "frozen tensors": lead["frozen tensors"],
+        "verification (rank 0)": lead["verification"],
+        "all_gather_object calls per verify, by rank": [r["gathers per verify"] for r in ranks],
+        # The first line of what verify raised on each rank after the move ("": nothing).
+        f"{lead['nudged']} moved on rank 1, raised by rank": [
+            r["caught"].splitlines()[0] if r["caught"] else "" for r in ranks
+        ],
+    }
+    candidate = "handle.verify (all checks)"
+    return [
+        Row(f"FSDP2 verification vs one training step, {label}", candidate, "one training step",
+            check_s, step_s, "(measured)", None, extra, paired_ratio=ratio),
+        Row(f"FSDP2 verification vs training step, {label}, checks every {every} steps "
+            "(amortised)", candidate, f"{every} training steps", check_s, every * step_s,
+            "<= 0.01", False, {"check / one step": ratio}, paired_ratio=ratio / every,
+            limit=0.01),
+    ]  # fmt: skip
+
+
 SECTIONS: dict[str, Callable[[bool], list[Row]]] = {
     "wrappers": bench_wrappers,
     "freeze": bench_freeze,
@@ -911,6 +1137,7 @@ SECTIONS: dict[str, Callable[[bool], list[Row]]] = {
     "frozen": bench_frozen,
     "callback": bench_callback,
     "scale": bench_scale,
+    "sharded": bench_sharded,
 }
 
 
@@ -939,12 +1166,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     parser.add_argument("--output", default="outputs/bench", help="folder for bench.json/md")
     parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run")
-    for name, default in vars(ScaleConfig()).items():
-        parser.add_argument(f"--scale-{name.replace('_', '-')}", type=int, default=default,
-                            help=f"scale section: {name} (default {default})")  # fmt: skip
+    for section, config in (("scale", ScaleConfig()), ("sharded", ShardedConfig())):
+        for name, default in vars(config).items():
+            parser.add_argument(f"--{section}-{name.replace('_', '-')}", type=int,
+                                default=default,
+                                help=f"{section} section: {name} (default {default})")  # fmt: skip
     args = parser.parse_args(argv)
-    global scale_config
+    global scale_config, sharded_config
     scale_config = ScaleConfig(**{n: getattr(args, f"scale_{n}") for n in vars(ScaleConfig())})
+    sharded_config = ShardedConfig(
+        **{n: getattr(args, f"sharded_{n}") for n in vars(ShardedConfig())}
+    )
     torch.manual_seed(0)
     env = {
         "torch": torch.__version__,
@@ -953,6 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "quick": args.quick,
         "scale": vars(QUICK_SCALE if args.quick else scale_config),
+        "sharded": vars(QUICK_SHARDED if args.quick else sharded_config),
     }
     rows: list[Row] = []
     for name in args.only or SECTIONS:

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from experiments import bench
 
 COLUMNS = {
@@ -72,6 +74,15 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path: Path) -> None:
 
 
 TINY = {"layers": 2, "width": 64, "heads": 4, "batch": 2, "tokens": 8, "report_layers": 2}
+TINY_SHARDED = {
+    "layers": 2,
+    "width": 64,
+    "heads": 4,
+    "batch": 2,
+    "tokens": 8,
+    "warmup": 1,
+    "repeat": 2,
+}
 
 
 def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
@@ -124,3 +135,46 @@ def test_the_verification_hook_sees_a_frozen_tensor_move() -> None:
         assert "layers.0.linear1.weight" in str(error)
     else:
         raise AssertionError("the verification hook did not see the frozen weight move")
+
+
+@pytest.mark.slow
+def test_sharded_section_in_a_tiny_configuration(tmp_path: Path) -> None:
+    """2 processes under fully_shard (it launches them): the verification runs every check,
+    the ranks collective on both ranks, and catches a frozen shard that moved on one rank."""
+    sizes = [f"--sharded-{k.replace('_', '-')}={v}" for k, v in TINY_SHARDED.items()]
+    assert bench.main(["--only", "sharded", "--output", str(tmp_path), *sizes]) == 0
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["env"]["sharded"] == vars(bench.ShardedConfig(**TINY_SHARDED))
+    rows = {row["name"].split(",")[0]: row for row in check_rows(tmp_path)}
+    assert list(rows) == [
+        "FSDP2 verification vs one training step",
+        "FSDP2 verification vs training step",
+    ]
+    per_check, amortised = rows.values()
+    assert "(2x64), fully_shard on 2 gloo processes" in per_check["name"]
+    assert amortised["name"].endswith("checks every 50 steps (amortised)")
+    assert per_check["ok"] is None and amortised["limit"] == 0.01
+    ratio = per_check["extra"]["check / one step"]
+    assert math.isfinite(ratio) and ratio > 0 and ratio == per_check["ratio"]
+    assert math.isclose(amortised["ratio"], ratio / 50)
+    assert 0 < per_check["extra"]["rank 1 check / one step"] < math.inf
+    verification = per_check["extra"]["verification (rank 0)"]
+    frozen = per_check["extra"]["frozen tensors"]
+    assert frozen == 12  # layers.0 of 2: every tensor of one encoder layer
+    # Every check ran, on the sharded parameters, and the ranks were compared.
+    assert verification == {
+        "losses": {"loss": frozen},
+        "reach": frozen,  # the trainable half: as many tensors as the frozen half
+        "drift": frozen,
+        "flags": frozen,
+        "optimizers": 1,
+        "ranks": 2,
+        "violations": [],
+    }
+    # The ranks check's own collective ran on both ranks, once per verify.
+    assert per_check["extra"]["all_gather_object calls per verify, by rank"] == [1, 1]
+    # One element of a frozen shard moved on rank 1: that rank's drift check raised (a shard
+    # has one owner under FSDP, so the ranks check has no copy to compare it with).
+    raised = per_check["extra"]["layers.0.linear1.weight moved on rank 1, raised by rank"]
+    assert raised[0] == ""
+    assert raised[1].startswith("DriftError: ") and "'layers.0.linear1.weight'" in raised[1]
