@@ -794,10 +794,12 @@ def _scale_report(cfg: ScaleConfig) -> list[Row]:
 def _scale_wrappers(cfg: ScaleConfig) -> list[Row]:
     """The wrappers' own cost per call (forward + backward of a small branch)."""
     torch.manual_seed(0)
-    side = nn.Linear(cfg.width, 10)
+    # A small branch on small features: the wrappers' cost does not grow with the tensors,
+    # and a short step keeps the machine's noise below the microseconds being measured.
+    side = nn.Linear(64, 10)
     # Features as a trunk hands them over: not a leaf (a leaf that requires grad, such as a
     # parameter, is copied by GradientScale so that an in-place op cannot write into it).
-    leaf = torch.randn(cfg.batch * cfg.tokens, cfg.width, requires_grad=True)
+    leaf = torch.randn(8, 64, requires_grad=True)
     features = leaf.view_as(leaf)
     detached, cloned, reverse = (
         isolate.Detached(side),
@@ -995,9 +997,8 @@ def _sharded_run(cfg: ShardedConfig) -> dict[str, Any]:
             if i >= cfg.warmup:
                 steps.append(s)
                 checks.append(c)
-        # The ranks check is a collective of its own (one all_gather_object of fingerprints;
-        # the Verification's count of ranks is the world size whether it ran or not): count
-        # it in one more check step, outside the timings.
+        # The ranks check is a collective of its own (one all_gather_object of fingerprints
+        # and of what each rank found): count it in one more check step, outside the timings.
         gathers: list[int] = []
         plain = dist.all_gather_object
 

@@ -406,9 +406,9 @@ def run_checks(
         found += check_flags(frozen, when, caller)
     if "optimizers" in checks:
         found += check_optimizers(frozen, optimizers, when, caller)
-    ranks = world_size()
-    if "ranks" in checks and ranks > 1:
-        found += check_ranks(Names.of(plan.model).params, when, caller)
+    ranks = world_size() if "ranks" in checks else 1
+    if ranks > 1:  # every rank also learns what the others found: one verdict for all
+        found += check_ranks(Names.of(plan.model).params, when, caller, found)
     verification = Verification(
         losses=counts,
         reach=reached,

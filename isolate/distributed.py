@@ -8,12 +8,13 @@ tensors: O(number of tensors) communication, one read of the local weights.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from isolate import errors
 from isolate.errors import IsolationError, RankDivergenceError
 from isolate.fingerprints import fingerprint
 from isolate.plan import shown
@@ -53,8 +54,18 @@ def replica_key(t: torch.Tensor) -> tuple[int, ...] | None:
     )
 
 
-def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> list[IsolationError]:
+def check_ranks(
+    params: Mapping[str, torch.Tensor],
+    when: str,
+    caller: str,
+    found: Sequence[IsolationError] = (),
+) -> list[IsolationError]:
     """Compare ``params`` across ranks; a collective, so every rank must call it.
+
+    ``found`` are the violations this rank's own checks found in the same verification: they
+    travel in the same exchange, and every rank gets back those the other ranks found (a
+    frozen shard that moved is seen by its owner alone; raising there only would leave the
+    other ranks waiting in the next collective).
 
     Each rank fingerprints its own piece of every tensor (the whole tensor, or its local
     shard of a ``DTensor``) and the ranks exchange the names and fingerprints with one
@@ -64,8 +75,9 @@ def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> l
     answer, so a raise does not leave some ranks waiting in the next collective.
 
     Returns:
-        One :class:`~isolate.errors.RankDivergenceError` naming the tensors that differ
-        and the ranks that disagree, or nothing.
+        The violations the other ranks found that this one did not (each of its own type,
+        naming the rank), then one :class:`~isolate.errors.RankDivergenceError` naming the
+        tensors that differ and the ranks that disagree, if any.
     """
     world = world_size()
     if world < 2:
@@ -76,20 +88,23 @@ def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> l
         key = replica_key(t)
         mine.append((key, fingerprint(t) if key is not None else 0))
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (names, mine))
+    reports = [(type(e).__name__, str(e)) for e in found]
+    dist.all_gather_object(gathered, (names, mine, reports))
+    theirs_found = _found_elsewhere(gathered, reports, world, caller)
     # Every rank holds every rank's fingerprints, so every rank reaches the same verdict
     # (a check that raised on some ranks only would leave the others hanging in the next
     # collective).
     pieces: dict[tuple[str, Any], dict[int, list[int]]] = {}
-    for rank, (their_names, theirs) in enumerate(gathered):
+    for rank, (their_names, theirs, _) in enumerate(gathered):
         if their_names != names:
             missing = sorted(set(names) ^ set(their_names))
             return [
+                *theirs_found,
                 RankDivergenceError(
                     f"{caller}: the {world} ranks hold different parameter names ({when}): "
                     f"rank {rank} differs in {shown(missing)}; every rank must build the same "
                     f"model"
-                )
+                ),
             ]
         for name, (key, print_) in zip(names, theirs, strict=True):
             if key is not None:
@@ -99,12 +114,13 @@ def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> l
         if len(prints) > 1:
             differ.setdefault(name, []).extend(sorted(prints.values()))
     if not differ:
-        return []
+        return theirs_found
     lines = [
         f"  {name}: ranks {' vs '.join(str(g) for g in groups)} hold different values"
         for name, groups in list(differ.items())[:8]
     ]
     return [
+        *theirs_found,
         RankDivergenceError(
             f"{caller}: parameters differ across the {world} ranks ({when}): "
             f"{shown(differ)}\n"
@@ -113,5 +129,25 @@ def check_ranks(params: Mapping[str, torch.Tensor], when: str, caller: str) -> l
             "thaw with a Thaw step of the spec (the Lightning callback rebuilds the wrapper; "
             "in your own loop, wrap the model in DDP again after a thaw), not by setting "
             "requires_grad elsewhere"
-        )
+        ),
     ]
+
+
+def _found_elsewhere(
+    gathered: Sequence[Any], mine: Sequence[tuple[str, str]], world: int, caller: str
+) -> list[IsolationError]:
+    """The violations other ranks reported and this one did not, each rebuilt as its own
+    type (an :class:`IsolationError` if the name is unknown) and naming its rank."""
+    seen = {message for _, message in mine}
+    out: list[IsolationError] = []
+    for rank, (_, _, reports) in enumerate(gathered):
+        for kind, message in reports:
+            if message in seen:
+                continue
+            seen.add(message)
+            cls = getattr(errors, kind, None)
+            if not (isinstance(cls, type) and issubclass(cls, IsolationError)):
+                cls = IsolationError
+            body = message.removeprefix(f"{caller}: ")
+            out.append(cls(f"{caller}: on rank {rank} of {world}: {body}"))
+    return out

@@ -287,8 +287,11 @@ class IsolationHandle:
                 loss keeps its value however training looks), or be named in
                 ``expected_unused`` (selectors, as for ``freeze``).
             expected_unused: parameters allowed to go unreached on this step.
-            checks: which of :data:`CHECKS` to run (``"ranks"`` is a collective: every rank
-                must call it).
+            checks: which of :data:`CHECKS` to run. ``"ranks"`` is a collective (every rank
+                must call it) and gives one verdict: the ranks also exchange what the other
+                checks found, so a violation seen on one rank only (a frozen shard that
+                moved is seen by its owner alone) is raised on every rank, naming the rank,
+                instead of leaving the others waiting in the next collective.
             on_violation: ``"raise"`` the first violation, or ``"warn"`` about each.
             when: how messages say when this was (default: the epoch and step of the last
                 :meth:`step`).

@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,40 @@ def engine() -> dict[str, Any]:
     out["ranks_plain"] = [str(e) for e in check_ranks({"t": t}, "now", "test")]
     out["ranks_sharded"] = [str(e) for e in check_ranks(sharded, "now", "test")]
     out["units_settled"] = sharding.settle(model)
+    out["one_verdict"] = one_verdict()
+    return out
+
+
+def one_verdict() -> dict[str, list[str]]:
+    """A frozen shard moved on its owner (rank 1) only: with "drift" alone only rank 1 sees
+    it; with "ranks" too every rank raises the same DriftError, so no rank is left waiting in
+    the next collective while another one stopped."""
+    model = shard(Net())
+    handle = isolate.IsolationSpec(freeze=["trunk.0"]).apply(model)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model.trunk[0].weight.to_local().view(-1)[0] += 1e-3
+    out: dict[str, list[str]] = {}
+    for name, checks in (("alone", ("drift",)), ("with_ranks", ("drift", "ranks"))):
+        try:
+            handle.verify(checks=checks)
+            out[name] = []
+        except isolate.IsolationError as error:
+            out[name] = [type(error).__name__, str(error)]
+        if name == "alone":
+            handle.restore()  # watch again from the moved values on both ranks...
+            handle = isolate.IsolationSpec(freeze=["trunk.0"]).apply(model)
+            if dist.get_rank() == 1:  # ...and move the shard on rank 1 again
+                with torch.no_grad():
+                    model.trunk[0].weight.to_local().view(-1)[0] += 1e-3
+    if dist.get_rank() == 1:  # a check reports a move once: move it again
+        with torch.no_grad():
+            model.trunk[0].weight.to_local().view(-1)[0] += 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", isolate.IsolationWarning)
+        warned = handle.verify(checks=("drift", "ranks"), on_violation="warn")
+    out["warned"] = list(warned.violations)
+    handle.restore()
     return out
 
 

@@ -160,6 +160,25 @@ def test_rank_check_compares_fingerprints(engine: list[dict[str, Any]]) -> None:
         assert rank["units_settled"] == 4
 
 
+@pytest.mark.slow
+def test_a_violation_on_one_rank_is_raised_on_every_rank(engine: list[dict[str, Any]]) -> None:
+    first, second = (rank["one_verdict"] for rank in engine)
+    # drift alone is local: only the owner of the moved shard sees it
+    assert first["alone"] == []
+    assert second["alone"][0] == "DriftError" and "['trunk.0.weight']" in second["alone"][1]
+    # with the ranks check, one verdict: the same error type on both, rank 0 told by rank 1
+    assert second["with_ranks"][0] == first["with_ranks"][0] == "DriftError"
+    assert first["with_ranks"][1].startswith(
+        "IsolationSpec: on rank 1 of 2: frozen tensors moved (at epoch 0, step 0): "
+        "['trunk.0.weight']"
+    )
+    assert second["with_ranks"][1].startswith("IsolationSpec: frozen tensors moved")
+    # warned about, the violation is in both ranks' verification (a shard's owner alone
+    # holds it, so the fingerprint comparison itself finds nothing to compare)
+    assert len(first["warned"]) == len(second["warned"]) == 1
+    assert "on rank 1 of 2" in first["warned"][0] and "trunk.0.weight" in second["warned"][0]
+
+
 class FlatViews(nn.Module):
     """A toy wrapper that runs its module on views of one hidden flat leaf, as FSDP1 and
     flat-buffer optimizers do: the registered parameters share the leaf's storage but are

@@ -11,6 +11,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from isolate.distributed import world_size
 from isolate.engine import IsolationHandle
 from isolate.errors import (
     IsolationError,
@@ -281,7 +282,7 @@ class IsolationCallback(CheckpointState):
         due = handle.due(epoch=epoch, step=step)
         when = f"epoch {epoch}, step {step}"
         if due:
-            self._check(("drift",), f"before thawing {due} ({when})")
+            self._check(("drift", "ranks"), f"before thawing {due} ({when})")
         handle.step(epoch=epoch, step=step, record=record)
         if not due:
             return
@@ -311,7 +312,9 @@ class IsolationCallback(CheckpointState):
             return
         _check_named(pl_module, losses, self.spec.protect)
         self._losses_seen = True
-        self._check(("losses",), f"at step {trainer.global_step}", losses)
+        # Under several processes "ranks" makes the check a collective with one verdict: a
+        # rank raising alone would leave the others waiting in backward's all-reduce.
+        self._check(("losses", *_ranks_if_many()), f"at step {trainer.global_step}", losses)
         if self.log_figures:
             log_figure(trainer, pl_module, losses, loss, self.expected_unused)
 
@@ -345,21 +348,28 @@ class IsolationCallback(CheckpointState):
                 f"self.{LOSSES_ATTRIBUTE} at step {self._verify_step}; set it to a dict "
                 f"{{'loss name': loss_tensor}} in every training_step"
             )
+        # One verification, so that with "ranks" every rank reaches one verdict on all of it.
+        checks: tuple[str, ...] = ()
+        when = f"at step {self._batch_step}"
         if self._reach_now and self._backward_losses:
+            checks = ("reach", *_ranks_if_many())
+        if self._verify_now:
+            checks = (*checks, "drift", "flags", "optimizers", "ranks")
+            when = f"at step {self._verify_step}"
+        elif self._pending_rank_check is not None:
+            # reach is checked on the first step after a thaw: "at step N" says it then
+            when = when if checks else self._pending_rank_check
+            checks = (*checks, "ranks")
+        if checks:
             self.handle.verify(
-                total=self._backward_losses,
+                total=self._backward_losses or None,
                 expected_unused=self.expected_unused,
-                checks=("reach",),
+                checks=tuple(dict.fromkeys(checks)),
                 on_violation=self.on_violation,
-                when=f"at step {self._batch_step}",
+                when=when,
             )
         self._reach_now, self._backward_losses = False, []
-        if self._verify_now:
-            self._check(("drift", "flags", "optimizers", "ranks"), f"at step {self._verify_step}")
-            self._pending_rank_check = None
-        elif self._pending_rank_check is not None:
-            self._check(("ranks",), self._pending_rank_check)
-            self._pending_rank_check = None
+        self._pending_rank_check = None
         self._verify_now = False
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -373,6 +383,12 @@ class IsolationCallback(CheckpointState):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A last check of drift and ranks."""
         self._check(("drift", "ranks"), "at the end of training")
+
+
+def _ranks_if_many() -> tuple[str, ...]:
+    """``("ranks",)`` under several processes: the check becomes a collective whose verdict
+    every rank shares."""
+    return ("ranks",) if world_size() > 1 else ()
 
 
 def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
