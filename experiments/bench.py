@@ -720,7 +720,7 @@ def _scale_training(model: nn.Module, cfg: ScaleConfig, label: str) -> list[Row]
     every = cfg.check_every
     return [
         Row(f"callback verification vs training step, {label}, checks every {every} steps "
-            "(amortised)", "fingerprint check + reachability walk",
+            "(amortised)", "handle.verify (drift, reach, flags)",
             f"{every} training steps", check_s, every * step_s, "<= 0.01", False,
             {"check / one step": check_s / step_s, "frozen tensors": len(frozen)},
             limit=0.01),
