@@ -346,6 +346,11 @@ class IsolationHandle:
         """The thaw groups applied so far, in the order they were thawed."""
         return tuple(self._thaws.applied)
 
+    @property
+    def watching(self) -> str | None:
+        """The ``monitor`` thaw group waiting now for its metric to stop improving, if any."""
+        return self._thaws.phases.watching(list(self._thaws.applied))
+
     def frozen_parameters(self) -> dict[str, nn.Parameter]:
         """Name -> parameter of every parameter frozen now."""
         return self._thaws.frozen_parameters()

@@ -7,10 +7,12 @@ Issue 17 found these raise sites unexercised; each test below fails if its check
 from __future__ import annotations
 
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from _lightning_models import Net, TwoOptimizerNet, loader, state, trainer
@@ -338,3 +340,51 @@ def test_the_callback_logs_the_gradient_figure_to_loggers_that_take_figures(
     assert figure.axes and "aux" in " ".join(
         t.get_text() for t in figure.axes[0].get_yticklabels() + figure.axes[0].get_xticklabels()
     )
+
+
+MONITOR = Thaw("trunk.3", monitor="val_loss", patience=1, lr=0.1)
+
+
+class NoValidation(Net):
+    validation_step = pl.LightningModule.validation_step  # as if Net defined none
+
+
+@pytest.mark.parametrize(
+    ("make", "options", "why"),
+    [
+        (Net, {"limit_val_batches": 0}, r"limit_val_batches=0"),
+        (NoValidation, {}, r"NoValidation defines no validation_step"),
+    ],
+    ids=["limit_val_batches", "no_validation_step"],
+)
+def test_a_monitor_thaw_in_a_fit_without_validation_is_refused(
+    tmp_path: Path, make: type[Net], options: dict[str, Any], why: str
+) -> None:
+    model = make()
+    before = state(model)
+    fit = trainer(tmp_path, [IsolationCallback(freeze=["trunk"], thaw=[MONITOR])], **options)
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationCallback: thaw groups \['trunk.3'\] wait for \['val_loss'\] to stop "
+        rf"improving, but this fit runs no validation \({why}\), so they would never thaw",
+    ):
+        fit.fit(model, loader(), loader())
+    unchanged(model, before)
+
+
+def test_a_monitor_thaw_that_never_saw_a_validation_run_is_reported(tmp_path: Path) -> None:
+    model = Net()
+    callback = IsolationCallback(freeze=["trunk"], thaw=[MONITOR])
+    fit = trainer(tmp_path, [callback])
+    with pytest.warns(
+        IsolationWarning,
+        match=r"thaw group 'trunk.3' waited for 'val_loss' to stop improving, but no "
+        r"validation ran during this fit, so it never thawed; pass val_dataloaders",
+    ):
+        fit.fit(model, loader())  # no val_dataloaders
+    assert callback.state_dict()["thawed"] == []  # it waited all along
+    fit = trainer(tmp_path, [IsolationCallback(freeze=["trunk"], thaw=[MONITOR])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", IsolationWarning)
+        fit.fit(Net(), loader(), loader())  # validated every epoch: nothing to report
+    assert not [w for w in caught if "no validation ran" in str(w.message)]

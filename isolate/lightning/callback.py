@@ -9,6 +9,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 
 from isolate.distributed import world_size
@@ -170,6 +171,7 @@ class IsolationCallback(CheckpointState):
         self._verify_step = -1
         self._losses_seen = False
         self._pending_rank_check: str | None = None
+        self._validations = 0  # validation runs seen in this fit (monitor thaws need them)
 
     freeze = property(lambda self: self.spec.freeze, doc="The spec's ``freeze`` selectors.")
     detach = property(lambda self: self.spec.detach, doc="The spec's ``detach`` branches.")
@@ -187,6 +189,8 @@ class IsolationCallback(CheckpointState):
             return
         self._restore()  # a fit that ended without teardown
         check_trainer(trainer, self, _CALLER)
+        _check_validation(trainer, pl_module, self.spec)
+        self._validations = 0
         self._modes = [(m, m.training) for m in pl_module.modules()]
         if applies_at_fit_start(trainer):  # FSDP2: configure_model replaces the parameters
             return
@@ -376,13 +380,26 @@ class IsolationCallback(CheckpointState):
         """Give the validation metrics to the ``monitor`` thaws (rank 0's, on every rank)."""
         if self.handle is None or trainer.sanity_checking or not _monitors(self.spec):
             return
+        self._validations += 1
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         for name in self.handle.observe(trainer.strategy.broadcast(metrics)):
             rank_zero_info(f"{_CALLER}: {name!r} is due: its metric stopped improving")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A last check of drift and ranks."""
+        """A last check of drift and ranks; a warning if a ``monitor`` thaw never saw a
+        validation run (no ``val_dataloader``, or validation less often than the fit lasted)."""
         self._check(("drift", "ranks"), "at the end of training")
+        if self.handle is None or self._validations:
+            return
+        waiting = self.handle.watching
+        if waiting is not None:
+            monitor = self.handle.plan.group(waiting).thaw.monitor
+            _warn(
+                f"{_CALLER}: thaw group {waiting!r} waited for {monitor!r} to stop improving, "
+                f"but no validation ran during this fit, so it never thawed; pass "
+                f"val_dataloaders to fit (or validate more often than every "
+                f"{trainer.check_val_every_n_epoch} epochs), or give it epoch= or step="
+            )
 
 
 def _ranks_if_many() -> tuple[str, ...]:
@@ -412,6 +429,26 @@ def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
 
 def _monitors(spec: IsolationSpec) -> bool:
     return any(t.monitor is not None for t in spec.thaw)
+
+
+def _check_validation(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, spec: IsolationSpec
+) -> None:
+    """Refuse ``monitor`` thaws in a fit that cannot validate: they would never thaw."""
+    watching = {str(t.name): str(t.monitor) for t in spec.thaw if t.monitor is not None}
+    if not watching:
+        return
+    if trainer.limit_val_batches == 0:
+        why = "limit_val_batches=0"
+    elif not is_overridden("validation_step", pl_module):
+        why = f"{type(pl_module).__name__} defines no validation_step"
+    else:
+        return
+    raise SpecError(
+        f"{_CALLER}: thaw groups {sorted(watching)} wait for {sorted(set(watching.values()))} "
+        f"to stop improving, but this fit runs no validation ({why}), so they would never "
+        f"thaw; log the metric in a validation_step and validate, or give them epoch= or step="
+    )
 
 
 def _warn_on_norm_clipping(trainer: pl.Trainer, detach: tuple[str, ...]) -> None:
