@@ -300,6 +300,20 @@ def _fingerprint(tensor: torch.Tensor, scheme: Scheme, caller: str = "fingerprin
     t = _local(tensor)
     if t.device.type == "meta":
         raise IsolationTypeError(f"{caller}: a meta tensor has no values to fingerprint")
+    if type(t) is not torch.Tensor or torch._is_functional_tensor(t):
+        # The host scheme reads memory by address: only a plain tensor has its values there
+        # (a FakeTensor's data pointer is not its values, and reading it is undefined).
+        what = "a fake or functional tensor (torch.compile tracing, FakeTensorMode)"
+        if "Fake" not in type(t).__name__ and not torch._is_functional_tensor(t):
+            what = f"a tensor of subclass {type(t).__name__}"
+        raise IsolationTypeError(
+            f"{caller}: {what} holds no values of its own to fingerprint; fingerprint the "
+            "real tensor outside tracing, or the plain tensors the subclass wraps"
+        )
+    if t.is_nested:
+        raise IsolationTypeError(
+            f"{caller}: nested tensors are not supported; fingerprint t.unbind() one by one"
+        )
     if t.is_quantized:
         raise IsolationTypeError(
             f"{caller}: quantised dtype {t.dtype} is not supported; fingerprint "

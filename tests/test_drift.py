@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import re
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -599,6 +600,36 @@ def test_fingerprint_errors() -> None:
         fingerprint(torch.empty(3, device="meta"))
     with pytest.raises(IsolationTypeError, match=r"lazy parameter has no values yet"):
         fingerprint(nn.LazyLinear(2).weight)
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass: its values are whatever its own dispatch says they are."""
+
+
+def test_tensors_without_values_in_memory_are_refused_not_read() -> None:
+    """The host scheme reads memory by address: a FakeTensor's data pointer is not its
+    values (torch only warns about reading it), so anything but a plain tensor is refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.randn(4)
+    for scheme in SCHEMES:
+        with pytest.raises(IsolationTypeError, match=r"^fingerprint\(\): a fake or functional"):
+            by(scheme)(fake)
+    with pytest.raises(IsolationTypeError, match=r"a tensor of subclass Marked holds no values"):
+        fingerprint(torch.randn(3).as_subclass(Marked))
+    jagged = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
+    with pytest.raises(IsolationTypeError, match=r"a tensor of subclass NestedTensor"):
+        fingerprint(jagged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "prototype stage"
+        strided = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    with pytest.raises(IsolationTypeError, match=r"nested tensors are not supported"):
+        fingerprint(strided)
+    model = nn.Linear(2, 2)
+    model.register_buffer("fake", fake)
+    with pytest.raises(IsolationTypeError, match=r"a fake or functional tensor"):
+        snapshot(model, copy=False)
 
 
 # --------------------------------------------------------------------------------------------
