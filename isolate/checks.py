@@ -26,7 +26,7 @@ from isolate.errors import (
     IsolationTypeError,
     SpecError,
 )
-from isolate.fingerprints import Print, Scheme, _fingerprints
+from isolate.fingerprints import Print, _fingerprints, _fingerprints_as
 from isolate.graph import assert_isolated, walk
 from isolate.optimizers import find
 from isolate.plan import Names, Plan, shown
@@ -116,14 +116,10 @@ class DriftWatch:
         )
         return cls(plan.model, list(frozen), buffers, copy=copy)
 
-    def _keep(
-        self, tensors: Mapping[str, torch.Tensor], schemes: Mapping[str, Scheme] | None = None
-    ) -> dict[str, torch.Tensor | Print]:
-        """Copies or prints of ``tensors``; prints by the scheme ``schemes`` gives a name."""
+    def _keep(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | Print]:
         if self.copy:
             return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
-        forced = {id(tensors[n]): s for n, s in (schemes or {}).items() if n in tensors}
-        prints = _fingerprints(tensors.values(), forced)  # one pass, tied tensors once
+        prints = _fingerprints(tensors.values())  # one batched pass, tied tensors once
         return {n: prints[id(t)] for n, t in tensors.items()}
 
     def __len__(self) -> int:
@@ -136,14 +132,17 @@ class DriftWatch:
 
     def _changed(self, current: Mapping[str, torch.Tensor]) -> dict[str, float]:
         present = {n: current[n] for n in self._saved if n in current}
-        schemes = {n: s.scheme for n, s in self._saved.items() if isinstance(s, Print)}
-        now = self._keep(present, schemes) if not self.copy else {}
+        now = _fingerprints_as(
+            (present[n], saved)
+            for n, saved in self._saved.items()
+            if isinstance(saved, Print) and n in present
+        )
         out: dict[str, float] = {}
         for name, saved in self._saved.items():
             if name not in present:
                 out[name] = math.inf
             elif isinstance(saved, Print):
-                if now[name] != saved:
+                if now[id(present[name])] != saved:
                     out[name] = math.nan
             else:
                 delta = max_abs_diff(saved, present[name])

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
-from isolate.fingerprints import Print, _fingerprints, _local, fingerprint
+from isolate.fingerprints import Print, _fingerprints, _fingerprints_as, _local, fingerprint
 from isolate.sharding import canonical_parameters
 
 __all__ = [
@@ -142,16 +142,13 @@ class Snapshot:
 
     def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
         current = self._current()
-        read = {
-            id(now): (now, e.print.scheme)
+        prints = _fingerprints_as(  # tied tensors are read once
+            (now, e.print)
             for e in self._entries
             if e.print is not None
             and (now := current.get(e.name)) is not None
             and tuple(_local(now).shape) == e.shape
-        }
-        # Tied tensors are read once, each by the scheme of its print (a tensor that moved
-        # between host and device since is read as it was).
-        prints = _fingerprints((t for t, _ in read.values()), {k: s for k, (_, s) in read.items()})
+        )
         out = []
         for entry in self._entries:
             now = current.get(entry.name)

@@ -175,12 +175,9 @@ class IsolationHandle:
         Groups already thawed (by :meth:`load_state_dict`) join as new param groups at once,
         in the order they were thawed, so an optimizer state saved with them loads.
 
-        A frozen parameter found in an optimizer is taken out with an ``IsolationWarning``
-        (a zero gradient with weight decay or momentum would move it; build the optimizer
-        from trainable parameters only). With ``built_before_apply=True`` the optimizers
-        were built before the spec froze anything (Lightning's ``ModelParallelStrategy``
-        applies the spec at fit start, after ``configure_optimizers``), so they cannot help
-        holding the parameters it froze: those are taken out without a warning.
+        Frozen parameters found in an optimizer are taken out with an ``IsolationWarning``,
+        unless ``built_before_apply``: the optimizers were built before the spec froze
+        anything (as under Lightning's ``ModelParallelStrategy``) and cannot help holding them.
 
         Raises:
             SpecError: as :meth:`IsolationSpec.apply`, or held BatchNorm layers were replaced

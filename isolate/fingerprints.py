@@ -178,9 +178,14 @@ class _Stream:
         return self.total
 
 
-def _header(t: torch.Tensor) -> int:
+def _header_digest(t: torch.Tensor, size: int) -> bytes:
+    """``size`` bytes naming the layout, dtype and shape: equal bytes of another shape differ."""
     text = f"{t.layout}|{t.dtype}|{tuple(t.shape)}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+    return hashlib.blake2b(text, digest_size=size).digest()
+
+
+def _header(t: torch.Tensor) -> int:
+    return int.from_bytes(_header_digest(t, 8), "little")
 
 
 def _chunk_lanes(data: torch.Tensor, stream: int) -> torch.Tensor:
@@ -227,18 +232,11 @@ def _device_fingerprint(t: torch.Tensor) -> int:
 # the host scheme: XXH3-128 of the raw bytes
 
 
-def _header_bytes(t: torch.Tensor) -> bytes:
-    """16 bytes naming the layout, dtype and shape: equal bytes of another shape differ."""
-    return hashlib.blake2b(
-        f"{t.layout}|{t.dtype}|{tuple(t.shape)}".encode(), digest_size=16
-    ).digest()
-
-
 def _host_fingerprint(t: torch.Tensor) -> int:
     """XXH3-128 of the header and the bytes in row-major order, read in place when the tensor
     is contiguous and in host memory (else copied to the host 8 MiB at a time)."""
     hasher = xxhash.xxh3_128()
-    hasher.update(_header_bytes(t))
+    hasher.update(_header_digest(t, 16))
     for piece in _pieces(t):
         if piece.device.type != "cpu":
             piece = piece.cpu()
@@ -289,7 +287,10 @@ def scheme_of(t: torch.Tensor) -> Scheme:
     return "host" if t.device.type == "cpu" else "device"  # a DTensor: its shard's device
 
 
-def _fingerprint(tensor: torch.Tensor, scheme: Scheme, caller: str = "fingerprint()") -> int:
+def _fingerprint(
+    tensor: torch.Tensor, scheme: Scheme | None = None, caller: str = "fingerprint()"
+) -> int:
+    """:func:`fingerprint` by ``scheme`` (default: the one for where the tensor lives)."""
     if not isinstance(tensor, torch.Tensor):
         raise IsolationTypeError(f"{caller}: expected a torch.Tensor, got {type(tensor).__name__}")
     if isinstance(tensor, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
@@ -319,7 +320,7 @@ def _fingerprint(tensor: torch.Tensor, scheme: Scheme, caller: str = "fingerprin
             f"{caller}: quantised dtype {t.dtype} is not supported; fingerprint "
             "t.int_repr() and its scale/zero point instead"
         )
-    dense = _host_fingerprint if scheme == "host" else _device_fingerprint
+    dense = _host_fingerprint if (scheme or scheme_of(t)) == "host" else _device_fingerprint
     with torch.no_grad():
         if t.layout == torch.strided:
             return dense(t.resolve_conj().resolve_neg())
@@ -328,6 +329,13 @@ def _fingerprint(tensor: torch.Tensor, scheme: Scheme, caller: str = "fingerprin
         parts = [dense(_local(p)) for p in _sparse_parts(t)]
     text = f"{_header(t)}|" + "|".join(map(str, parts))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest(), "little")
+
+
+def _fingerprints_as(pairs: Iterable[tuple[torch.Tensor, Print]]) -> dict[int, Print]:
+    """id -> :class:`Print` of each tensor by the scheme of the print it is compared with,
+    so that a tensor that moved between host and device since is read as it was."""
+    pairs = list(pairs)
+    return _fingerprints((t for t, _ in pairs), {id(t): p.scheme for t, p in pairs})
 
 
 def _fingerprints(
@@ -427,4 +435,4 @@ def fingerprint(tensor: torch.Tensor) -> int:
     >>> fingerprint(a) == fingerprint(b)
     False
     """
-    return _fingerprint(tensor, scheme_of(tensor) if isinstance(tensor, torch.Tensor) else "host")
+    return _fingerprint(tensor)

@@ -389,17 +389,21 @@ class IsolationCallback(CheckpointState):
         """A last check of drift and ranks; a warning if a ``monitor`` thaw never saw a
         validation run (no ``val_dataloader``, or validation less often than the fit lasted)."""
         self._check(("drift", "ranks"), "at the end of training")
-        if self.handle is None or self._validations:
-            return
-        waiting = self.handle.watching
-        if waiting is not None:
-            monitor = self.handle.plan.group(waiting).thaw.monitor
-            _warn(
-                f"{_CALLER}: thaw group {waiting!r} waited for {monitor!r} to stop improving, "
-                f"but no validation ran during this fit, so it never thawed; pass "
-                f"val_dataloaders to fit (or validate more often than every "
-                f"{trainer.check_val_every_n_epoch} epochs), or give it epoch= or step="
-            )
+        if self.handle is not None and not self._validations:
+            _warn_unvalidated(self.handle, trainer)
+
+
+def _warn_unvalidated(handle: IsolationHandle, trainer: pl.Trainer) -> None:
+    """Say so when a ``monitor`` thaw waited through a fit that never validated."""
+    waiting = handle.watching
+    if waiting is not None:
+        monitor = handle.plan.group(waiting).thaw.monitor
+        _warn(
+            f"{_CALLER}: thaw group {waiting!r} waited for {monitor!r} to stop improving, "
+            f"but no validation ran during this fit, so it never thawed; pass "
+            f"val_dataloaders to fit (or validate more often than every "
+            f"{trainer.check_val_every_n_epoch} epochs), or give it epoch= or step="
+        )
 
 
 def _ranks_if_many() -> tuple[str, ...]:
