@@ -45,9 +45,10 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import gradient_report, reachable_parameters
-from isolate.checks import Verification
-from isolate.fingerprints import Scheme, _fingerprints
+from isolate import gradient_report
+from isolate.fingerprints import Scheme, fingerprints
+from isolate.reachability import reachable_parameters
+from isolate.spec.checks import Verification
 
 
 @dataclass
@@ -606,7 +607,7 @@ def device_scheme(model: nn.Module) -> Callable[[], None]:
     forced: dict[int, Scheme] = {id(t): "device" for t in tensors}
 
     def read() -> None:
-        _fingerprints(tensors, forced)
+        fingerprints(tensors, forced)
 
     return read
 

@@ -28,7 +28,7 @@ kind               claim (parameters)
                    times ``1/sqrt(dim)``
 ``collapses``      the final std is below ``factor`` times the ``versus`` run's
 ``cut_off``        the trainable parameters that the loss backpropagated cannot reach at the
-                   first step (``isolate.cut_off_parameters``) are exactly ``expect`` (a list
+                   first step (``isolate.cutoff.cut_off_parameters``) are exactly ``expect`` (a list
                    of names), and they still hold their first-step values at the end; or
                    ``expect: none``: every trainable parameter is reached
 =================  ==========================================================================

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import isolate
+import isolate.errors
 
 __all__ = ["Branch", "IsolationNet", "make_trunk"]
 
@@ -48,7 +49,7 @@ class Branch:
 
             * ``"attached"``: plainly; its loss reaches the trunk (the negative control).
             * ``"detached"``: through ``isolate.Detached(branch)``; an in-place edit of the
-              features raises :class:`isolate.InplaceModificationError`.
+              features raises :class:`isolate.errors.InplaceModificationError`.
             * ``"detached_copy"``: through ``isolate.Detached(branch, inplace="copy")``; the
               branch edits a private copy.
             * ``"cloned"``: through ``isolate.Cloned(branch)``; edits stay in the copy but the

@@ -12,14 +12,15 @@ numbers come out of an in-process run and of a run under DDP or FSDP2 in subproc
   synchronise);
 * at the first step, which parameters each loss can reach (:func:`reachable_parameters`),
   which trainable parameters the loss backpropagated cannot reach, and why
-  (:func:`isolate.cut_off_parameters` over a forward run inside :func:`isolate.trace_forward`),
+  (:func:`isolate.cutoff.cut_off_parameters` over a forward run inside
+  :func:`isolate.cutoff.trace_forward`),
   and where each named loss sends its gradient, per parameter group
   (:func:`isolate.gradient_report`, drawn by the report);
 * per step, the same drift per layer of the trunk (its direct children that hold
   parameters), so that a thaw shows which layer moved and when;
 * with an :class:`isolate.lightning.IsolationCallback` that thaws, the step of the first thaw
   and, at the end of every step from then on, whether every process holds the same full
-  parameters: each full parameter's :func:`isolate.fingerprint` (a DTensor's
+  parameters: each full parameter's :func:`isolate.fingerprints.fingerprint` (a DTensor's
   ``full_tensor()``), gathered from every process and compared with rank 0's;
 * at the end, whether the parameters cut off at the first step still hold their values;
 * the metrics the module logs (the logger has them too), and the accuracies that
@@ -48,16 +49,13 @@ import torch
 from torch import nn
 
 from experiments.formats import jsonable
-from isolate import (
-    cut_off_parameters,
-    fingerprint,
-    gradient_report,
-    reachable_parameters,
-    trace_forward,
-)
+from isolate import gradient_report
+from isolate._sharding import canonical_parameters
+from isolate.cutoff import cut_off_parameters, trace_forward
 from isolate.drift import max_abs_diff, snapshot
+from isolate.fingerprints import fingerprint
 from isolate.lightning import IsolationCallback
-from isolate.sharding import canonical_parameters
+from isolate.reachability import reachable_parameters
 
 __all__ = ["RUN_FILE", "Recorder", "load_run"]
 

@@ -248,7 +248,7 @@ def _audit(results: dict[str, Any]) -> list[str]:
     return [
         "## Reachability audit (first step)",
         "",
-        "`isolate.reachable_parameters(loss, model)` walks each loss's autograd graph "
+        "`isolate.reachability.reachable_parameters(loss, model)` walks each loss's autograd graph "
         "before backward; the table counts the parameters of each part it can reach.",
         "",
         table(["run", "loss", "parameters reached"], rows),

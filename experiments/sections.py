@@ -319,9 +319,10 @@ def _cut_off(entries: Sequence[Entry], results: dict[str, Any], output: Path) ->
     lines = [
         "## Parameters cut off from the loss (first step)",
         "",
-        "`isolate.cut_off_parameters(loss, model, trace=trace)` walks the graph of the loss "
+        "`isolate.cutoff.cut_off_parameters(loss, model, trace=trace)` walks the graph of the loss "
         "the first step backpropagates (the main loss plus every branch's), its forward run "
-        "inside `isolate.trace_forward(model)`. A trainable parameter it cannot reach gets no "
+        "inside `isolate.cutoff.trace_forward(model)`. A trainable parameter it cannot reach "
+        "gets no "
         "gradient at all and keeps its value, however normal the run looks; the trace tells "
         "why. The suite compares each one at the end with its value at the first step, bit "
         "for bit.",
@@ -339,8 +340,9 @@ def _cut_off(entries: Sequence[Entry], results: dict[str, Any], output: Path) ->
 
 
 def gradient_report_of(data: dict[str, Any]) -> Any:
-    """The :class:`isolate.GradientReport` whose ``to_dict()`` is ``data`` (from run.json)."""
-    from isolate import GradientReport, GroupStats
+    """The :class:`isolate.gradients.GradientReport` whose ``to_dict()`` is ``data`` (from
+    run.json)."""
+    from isolate.gradients import GradientReport, GroupStats
 
     def stats(name: str, d: dict[str, Any]) -> GroupStats:
         return GroupStats(
@@ -362,7 +364,7 @@ def gradient_report_of(data: dict[str, Any]) -> Any:
 
 
 def _cut_off_of(record: dict[str, Any]) -> Any:
-    from isolate import CutOff
+    from isolate.cutoff import CutOff
 
     cut = record.get("cut_off")
     if cut is None:
@@ -375,6 +377,8 @@ def _cut_off_of(record: dict[str, Any]) -> Any:
 
 
 def _gradient_shares(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> list[str]:
+    from isolate.figures import plot_report
+
     runs = results["runs"]
     drawn = {name: runs[name] for name, _ in entries if (runs.get(name) or {}).get("gradients")}
     if not drawn:
@@ -383,10 +387,10 @@ def _gradient_shares(entries: Sequence[Entry], results: dict[str, Any], output: 
         "## Where each loss sends its gradient (first step)",
         "",
         "`isolate.gradient_report(losses, model, groups=...)` at the first step, drawn by "
-        "`GradientReport.figure(cut_off=...)`: each cell is the share of the loss's squared "
-        "gradient norm that falls in the group (grey: no path from the loss), the trunk split "
-        "into its layers; the last row counts the group's parameters that no loss reaches. "
-        "The table sums each loss's share over the trunk's layers.",
+        "`isolate.figures.plot_report(report, cut_off=...)`: each cell is the share of the "
+        "loss's squared gradient norm that falls in the group (grey: no path from the loss), "
+        "the trunk split into its layers; the last row counts the group's parameters that no "
+        "loss reaches. The table sums each loss's share over the trunk's layers.",
         "",
     ]
     rows: list[list[Any]] = []
@@ -411,7 +415,7 @@ def _gradient_shares(entries: Sequence[Entry], results: dict[str, Any], output: 
                     ", ".join(reached) or "none",
                 ]
             )
-        fig = report.figure(cut_off=_cut_off_of(record))
+        fig = plot_report(report, cut_off=_cut_off_of(record))
         fig.suptitle(f"{name}: gradient share per loss and group, first step", fontsize=10)
         for label in fig.axes[0].get_xticklabels():  # long branch names would overlap
             label.set(rotation=20, horizontalalignment="right")
@@ -467,8 +471,9 @@ def _thaw(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> li
         "The trunk starts frozen; `IsolationCallback(thaw=[...])` makes a layer trainable "
         "before the given optimizer step. Each layer's parameters are compared with their "
         "start after every step (the largest difference over the processes), and from the "
-        "thaw on each process's fingerprint of every full parameter (`isolate.fingerprint`, "
-        "a DTensor's `full_tensor()`) is compared with rank 0's.",
+        "thaw on each process's fingerprint of every full parameter "
+        "(`isolate.fingerprints.fingerprint`, a DTensor's `full_tensor()`) is compared with "
+        "rank 0's.",
         "",
         table(header, rows),
         "",

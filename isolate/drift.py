@@ -17,16 +17,14 @@ from typing import Literal
 import torch
 from torch import nn
 
+from isolate._sharding import canonical_parameters
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
-from isolate.fingerprints import Print, _fingerprints, _fingerprints_as, _local, fingerprint
-from isolate.sharding import canonical_parameters
+from isolate.fingerprints import Print, fingerprint, fingerprints, fingerprints_as, local_tensor
 
 __all__ = [
-    "Exposure",
     "Snapshot",
     "fingerprint",
     "max_abs_diff",
-    "optimizer_exposure",
     "snapshot",
 ]
 
@@ -35,7 +33,7 @@ _FILTERS = ("all", "frozen", "trainable", "none")
 
 
 def _to_coo(t: torch.Tensor) -> torch.Tensor:
-    t = _local(t)
+    t = local_tensor(t)
     if t.layout != torch.sparse_coo:
         t = t.to_sparse()  # CSR/CSC/BSR/BSC and dense alike
     return t.coalesce()
@@ -52,7 +50,7 @@ def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
     Sparse tensors (any layout) compare their stored entries; an entry present on one side
     only counts against zero.
     """
-    old, new = _local(old), _local(new)
+    old, new = local_tensor(old), local_tensor(new)
     if old.shape != new.shape:
         return math.inf
     if old.layout != torch.strided or new.layout != torch.strided:
@@ -142,12 +140,12 @@ class Snapshot:
 
     def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
         current = self._current()
-        prints = _fingerprints_as(  # tied tensors are read once
+        prints = fingerprints_as(  # tied tensors are read once
             (now, e.print)
             for e in self._entries
             if e.print is not None
             and (now := current.get(e.name)) is not None
-            and tuple(_local(now).shape) == e.shape
+            and tuple(local_tensor(now).shape) == e.shape
         )
         out = []
         for entry in self._entries:
@@ -156,7 +154,7 @@ class Snapshot:
                 delta = math.inf
             elif entry.saved is not None:
                 delta = max_abs_diff(entry.saved, now)
-            elif tuple(_local(now).shape) != entry.shape:
+            elif tuple(local_tensor(now).shape) != entry.shape:
                 delta = math.inf
             else:
                 delta = 0.0 if prints[id(now)] == entry.print else math.nan
@@ -209,7 +207,7 @@ class Snapshot:
             )
 
     def assert_unchanged(self, *, atol: float = 0.0) -> None:
-        """Raise :class:`~isolate.DriftError` if any tensor moved by more than ``atol``.
+        """Raise :class:`~isolate.errors.DriftError` if any tensor moved by more than ``atol``.
 
         Args:
             atol: the largest |Δ| per element that still counts as unchanged; only ``0``
@@ -239,8 +237,8 @@ class Snapshot:
         for entry, now, delta in moved:
             if now is None:
                 detail = "is gone (no tensor of that name any more)"
-            elif tuple(_local(now).shape) != entry.shape:
-                detail = f"changed shape {entry.shape} -> {tuple(_local(now).shape)}"
+            elif tuple(local_tensor(now).shape) != entry.shape:
+                detail = f"changed shape {entry.shape} -> {tuple(local_tensor(now).shape)}"
             elif entry.saved is None:
                 detail = "changed (fingerprint differs; snapshot(..., copy=True) tells by how much)"
             else:
@@ -259,7 +257,7 @@ class Snapshot:
                 "a parameter with requires_grad=False still moves when its .grad is a zero "
                 "tensor and the optimizer has weight decay or momentum: call "
                 "optimizer.zero_grad(set_to_none=True) or drop it from the optimizer "
-                "(isolate.optimizer_exposure lists such parameters)"
+                "(isolate.exposure.optimizer_exposure lists such parameters)"
             )
         if any(e.kind == "buffer" for e, _, _ in moved):
             hints.append(
@@ -276,7 +274,7 @@ class Snapshot:
 
 
 def _elementwise_moved(old: torch.Tensor, new: torch.Tensor, atol: float) -> int:
-    old, new = _local(old), _local(new).to(old.device)
+    old, new = local_tensor(old), local_tensor(new).to(old.device)
     if old.layout != torch.strided or new.layout != torch.strided:
         a, b = _to_coo(old), _to_coo(new)
         moved = (_widen(b) - _widen(a)).coalesce().values().abs() > atol
@@ -363,7 +361,7 @@ def snapshot(
 
     def record(description: str, module: nn.Module | None) -> Snapshot:
         if not copy:
-            prints = _fingerprints(t for _, _, t, _ in chosen)
+            prints = fingerprints(t for _, _, t, _ in chosen)
             saved.update((i, (None, fp)) for i, fp in prints.items())
         return Snapshot([make(*c) for c in chosen], module, description, copy)
 
@@ -372,10 +370,10 @@ def snapshot(
     ) -> _Entry:
         # Aliases (tied weights, shared buffers) share one copy or fingerprint.
         if id(t) not in saved:
-            data = _local(t)
+            data = local_tensor(t)
             saved[id(t)] = (data.clone() if device is None else data.to(device, copy=True), None)
         kept, print_ = saved[id(t)]
-        local = _local(t)
+        local = local_tensor(t)
         live: Callable[[], torch.Tensor | None]
         if strong:
 
@@ -447,113 +445,3 @@ def snapshot(
 
 # State that keeps moving a parameter when its gradient is zero: a momentum buffer, or Adam's
 # first moment. Second moments (exp_avg_sq, square_avg, Adagrad's sum) only scale a gradient.
-_MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
-
-
-@dataclass(frozen=True)
-class Exposure:
-    """A frozen parameter that an optimizer still holds.
-
-    Attributes:
-        name: its qualified name in the model, or ``"param_groups[g][i]"`` without a model.
-        group: the index of the optimizer's param group that holds it.
-        index: its position in that group's ``"params"``.
-        grad: ``"none"``, ``"zero"`` or ``"nonzero"``: what its ``.grad`` holds now.
-        reasons: why a zero ``.grad`` would still move it (weight decay, momentum or Adam
-            state); empty when a zero grad would leave it alone.
-    """
-
-    name: str
-    group: int
-    index: int
-    grad: Literal["none", "zero", "nonzero"]
-    reasons: tuple[str, ...]
-
-    @property
-    def at_risk(self) -> bool:
-        """Whether a zero ``.grad`` would move it on ``step()``."""
-        return bool(self.reasons)
-
-    @property
-    def moves_on_step(self) -> bool:
-        """Whether the next ``step()`` moves it, given its ``.grad`` now."""
-        return self.grad == "nonzero" or (self.grad == "zero" and self.at_risk)
-
-    def __str__(self) -> str:
-        why = "; ".join(self.reasons) if self.reasons else "harmless while .grad is None or zero"
-        return f"{self.name} (param group {self.group}, .grad {self.grad}): {why}"
-
-
-def optimizer_exposure(
-    optimizer: torch.optim.Optimizer, model: nn.Module | None = None
-) -> tuple[Exposure, ...]:
-    """The parameters with ``requires_grad=False`` that ``optimizer`` still holds, and why.
-
-    Args:
-        optimizer: a ``torch.optim.Optimizer``, or a wrapper with an ``.optimizer``
-            attribute (Lightning's ``LightningOptimizer``).
-        model: the model, to name parameters by their qualified names.
-
-    Returns:
-        One :class:`Exposure` per frozen parameter held, in param-group order. Filter on
-        ``.at_risk`` (a zero grad would move it) or ``.moves_on_step`` (the next step will).
-
-    Raises:
-        IsolationTypeError: ``optimizer`` is not an optimizer, or ``model`` not a module.
-
-    Note:
-        Every built-in optimizer skips a parameter whose ``.grad`` is ``None``; the danger is a
-        zero-filled ``.grad`` (``zero_grad(set_to_none=False)``, or a grad left from before
-        the freeze), which weight decay, a momentum buffer or Adam's first moment turn into a
-        real step.
-
-    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    >>> _ = model[0].requires_grad_(False)
-    >>> for exposure in optimizer_exposure(opt, model):
-    ...     print(exposure)
-    0.weight (param group 0, .grad none): weight_decay=0.0001 shrinks it on every step
-    0.bias (param group 0, .grad none): weight_decay=0.0001 shrinks it on every step
-    """
-    caller = "optimizer_exposure()"
-    inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
-        inner, torch.optim.Optimizer
-    ):
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise IsolationTypeError(
-            f"{caller}: optimizer must be a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}; pass the optimizer itself (trainer.optimizers[0])"
-        )
-    names: dict[int, str] = {}
-    if model is not None:
-        if not isinstance(model, nn.Module):
-            raise IsolationTypeError(
-                f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}"
-            )
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
-    found: list[Exposure] = []
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if p.requires_grad:
-                continue
-            reasons = []
-            decay = group.get("weight_decay", 0.0)
-            if decay:
-                reasons.append(f"weight_decay={decay} shrinks it on every step")
-            if group.get("lambd"):  # ASGD decays every parameter it steps, weight decay or not
-                reasons.append(f"lambd={group['lambd']} (ASGD) shrinks it on every step")
-            state = optimizer.state.get(p, {})
-            for key in _MOMENTUM_STATE:
-                value = state.get(key)
-                if isinstance(value, torch.Tensor) and bool(value.ne(0).any()):
-                    reasons.append(f"optimizer state {key!r} is non-zero and keeps moving it")
-            if p.grad is None:
-                grad: Literal["none", "zero", "nonzero"] = "none"
-            else:
-                grad = "nonzero" if bool(p.grad.ne(0).any()) else "zero"
-            name = names.get(id(p), f"param_groups[{g}][{i}]")
-            found.append(Exposure(name, g, i, grad, tuple(reasons)))
-    return tuple(found)

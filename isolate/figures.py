@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from isolate.cutoff import CutOff
 from isolate.errors import IsolationTypeError
 from isolate.gradients import GradientReport, GroupStats
-from isolate.reach import CutOff
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -55,7 +55,7 @@ def plot_report(report: GradientReport, *, cut_off: CutOff | None = None) -> Fig
 
     Args:
         report: a :class:`~isolate.gradients.GradientReport`.
-        cut_off: the :class:`~isolate.reach.CutOff` of the same step, for the last row.
+        cut_off: the :class:`~isolate.cutoff.CutOff` of the same step, for the last row.
 
     Returns:
         A ``matplotlib.figure.Figure`` (not registered with ``pyplot``): save it with
@@ -83,7 +83,7 @@ def plot_report(report: GradientReport, *, cut_off: CutOff | None = None) -> Fig
         )
     if cut_off is not None and not isinstance(cut_off, CutOff):
         raise IsolationTypeError(
-            f"{caller}: cut_off must be the CutOff of isolate.cut_off_parameters, got "
+            f"{caller}: cut_off must be the CutOff of isolate.cutoff.cut_off_parameters, got "
             f"{type(cut_off).__name__}"
         )
     figure_module = _matplotlib()

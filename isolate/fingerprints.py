@@ -26,7 +26,15 @@ from torch import nn
 
 from isolate.errors import IsolationTypeError
 
-__all__ = ["fingerprint"]
+__all__ = [
+    "Print",
+    "Scheme",
+    "fingerprint",
+    "fingerprints",
+    "fingerprints_as",
+    "local_tensor",
+    "scheme_of",
+]
 
 Scheme = Literal["host", "device"]
 
@@ -246,7 +254,7 @@ def _host_fingerprint(t: torch.Tensor) -> int:
     return hasher.intdigest()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank, any other tensor itself (detached)."""
     to_local = getattr(t, "to_local", None)
     if to_local is not None and type(t).__name__ == "DTensor":
@@ -298,7 +306,7 @@ def _fingerprint(
             f"{caller}: an uninitialised lazy parameter has no values yet; run one forward "
             "pass to materialise it before fingerprinting"
         )
-    t = _local(tensor)
+    t = local_tensor(tensor)
     if t.device.type == "meta":
         raise IsolationTypeError(f"{caller}: a meta tensor has no values to fingerprint")
     if type(t) is not torch.Tensor or torch._is_functional_tensor(t):
@@ -326,19 +334,19 @@ def _fingerprint(
             return dense(t.resolve_conj().resolve_neg())
         if t.layout not in _SPARSE:
             raise IsolationTypeError(f"{caller}: tensors of layout {t.layout} are not supported")
-        parts = [dense(_local(p)) for p in _sparse_parts(t)]
+        parts = [dense(local_tensor(p)) for p in _sparse_parts(t)]
     text = f"{_header(t)}|" + "|".join(map(str, parts))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest(), "little")
 
 
-def _fingerprints_as(pairs: Iterable[tuple[torch.Tensor, Print]]) -> dict[int, Print]:
+def fingerprints_as(pairs: Iterable[tuple[torch.Tensor, Print]]) -> dict[int, Print]:
     """id -> :class:`Print` of each tensor by the scheme of the print it is compared with,
     so that a tensor that moved between host and device since is read as it was."""
     pairs = list(pairs)
-    return _fingerprints((t for t, _ in pairs), {id(t): p.scheme for t, p in pairs})
+    return fingerprints((t for t, _ in pairs), {id(t): p.scheme for t, p in pairs})
 
 
-def _fingerprints(
+def fingerprints(
     tensors: Iterable[torch.Tensor], schemes: Mapping[int, Scheme] | None = None
 ) -> dict[int, Print]:
     """id -> :class:`Print` of each distinct tensor, by its own scheme or the one ``schemes``
@@ -357,7 +365,7 @@ def _fingerprints(
     }
     host = sorted(
         (t for t in unique if chosen[id(t)] == "host"),
-        key=lambda t: -_local(t).numel() * _local(t).element_size(),
+        key=lambda t: -local_tensor(t).numel() * local_tensor(t).element_size(),
     )
     workers = min(torch.get_num_threads(), len(host))
     groups: list[list[torch.Tensor]] = [[] for _ in range(max(workers, 1))]
@@ -365,7 +373,7 @@ def _fingerprints(
     for t in host:  # largest first, each to the least loaded group
         least = loads.index(min(loads))
         groups[least].append(t)
-        loads[least] += _local(t).numel() * _local(t).element_size()
+        loads[least] += local_tensor(t).numel() * local_tensor(t).element_size()
 
     def run(group: list[torch.Tensor]) -> list[int]:
         return [_fingerprint(t, "host") for t in group]

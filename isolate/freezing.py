@@ -23,8 +23,8 @@ from torch.nn.parameter import UninitializedParameter
 from isolate._selectors import Selector, check_module, is_float, select
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
-from isolate.drift import Exposure, optimizer_exposure
 from isolate.errors import IsolationTypeError, IsolationWarning, RestoreError, SelectorError
+from isolate.exposure import Exposure, optimizer_exposure, unwrap_optimizer
 
 __all__ = ["FreezeHandle", "Frozen", "freeze", "frozen", "is_frozen", "unfreeze", "unfrozen"]
 
@@ -403,12 +403,8 @@ def freeze(
     caller = "freeze()"
     check_module(model, caller)
     policy = _check_bn(bn, caller)
-    if optimizer is not None and not isinstance(
-        getattr(optimizer, "optimizer", optimizer), torch.optim.Optimizer
-    ):
-        raise IsolationTypeError(
-            f"{caller}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
+    if optimizer is not None:
+        unwrap_optimizer(optimizer, caller)
     selection = select(model, selectors, caller)
     handle = FreezeHandle(model, caller, selection.params, dict(selection.norms), False, policy)
     if optimizer is not None:

@@ -11,20 +11,16 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from isolate._autograd import graph_inputs
 from isolate._selectors import Protected, check_module, resolve_named, select
+from isolate._sharding import roots_of
 from isolate.drift import max_abs_diff
 from isolate.errors import IsolationTypeError
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
-    from isolate.reach import CutOff
-from isolate.sharding import graph_inputs, roots_of
 
 __all__ = [
     "GradientInvariance",
@@ -121,15 +117,6 @@ class GradientReport:
     def to_json(self, *, indent: int | None = 2) -> str:
         """The :meth:`to_dict` data as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
-
-    def figure(self, *, cut_off: CutOff | None = None) -> Figure:
-        """The report as a losses x groups matrix; see :func:`isolate.figures.plot_report`.
-
-        Needs matplotlib (an optional dependency), imported only here.
-        """
-        from isolate.figures import plot_report
-
-        return plot_report(self, cut_off=cut_off)
 
     def __str__(self) -> str:
         pairs = list(self.total.cosines)

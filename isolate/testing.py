@@ -34,12 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from isolate._autograd import Losses
 from isolate._selectors import Protected, Selector
+from isolate.cutoff import assert_reached, trace_forward
 from isolate.drift import ParameterFilter, Snapshot, snapshot
 from isolate.errors import GradientLeakError
 from isolate.gradients import gradient_invariance
-from isolate.graph import Losses, assert_isolated
-from isolate.reach import assert_reached, trace_forward
+from isolate.reachability import assert_isolated
 
 __all__ = [
     "assert_gradient_invariance",
@@ -63,7 +64,7 @@ def assert_gradient_invariance(
 
     Compares the gradients of ``main_loss`` and of ``total_loss`` (``main_loss`` plus the
     auxiliary terms, main loss with weight 1) on ``protected``; see
-    :func:`isolate.gradient_invariance`.
+    :func:`isolate.gradients.gradient_invariance`.
 
     Args:
         main_loss: the scalar loss the protected parameters learn from.
@@ -108,7 +109,7 @@ def assert_trains(
     *,
     expected_unused: Selector | Sequence[Selector] = (),
 ) -> None:
-    """Run ``forward()`` under :func:`isolate.trace_forward` and assert that its losses reach
+    """Run ``forward()`` under :func:`isolate.cutoff.trace_forward` and assert that its losses reach
     every trainable parameter of ``model``, with the reason for each one they do not.
 
     Args:
@@ -116,7 +117,7 @@ def assert_trains(
         forward: runs the forward pass and returns the loss (a tensor, a sequence, or a
             mapping of names to tensors); no backward is needed.
         expected_unused: selectors for parameters allowed to go unused, as in
-            :func:`isolate.cut_off_parameters`.
+            :func:`isolate.cutoff.cut_off_parameters`.
 
     Raises:
         CutOffError: naming each cut-off parameter, why (the module did not run, ran under

@@ -34,10 +34,12 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import isolate
-from isolate import sharding
-from isolate.distributed import check_ranks
+import isolate.gradients
+import isolate.reachability
+from isolate import _sharding as sharding
 from isolate.drift import fingerprint
-from isolate.graph import walk
+from isolate.reachability import walk
+from isolate.spec.ranks import check_ranks
 
 
 class Net(nn.Module):
@@ -101,8 +103,8 @@ def audits() -> dict[str, Any]:
         ref_main, ref_aux = ref(x)
         loss, ref_loss = aux.sum(), ref_aux.sum()
         key = "cut" if cut else "joined"
-        out[f"{key}/reach"] = isolate.reachable_parameters(aux.sum(), model)
-        out[f"{key}/reach_ref"] = isolate.reachable_parameters(ref_aux.sum(), ref)
+        out[f"{key}/reach"] = isolate.reachability.reachable_parameters(aux.sum(), model)
+        out[f"{key}/reach_ref"] = isolate.reachability.reachable_parameters(ref_aux.sum(), ref)
         found = walk([aux.sum()], "raw")  # the walk alone: what the audits saw before the fix
         out[f"{key}/raw_reach"] = [n for n, p in model.named_parameters() if id(p) in found.leaves]
         out[f"{key}/raw_trunk_hits"] = [
@@ -126,10 +128,10 @@ def audits() -> dict[str, Any]:
         )
         out[f"{key}/report"] = report.to_dict()
         out[f"{key}/report_ref"] = ref_report.to_dict()
-        inv = isolate.gradient_invariance(
+        inv = isolate.gradients.gradient_invariance(
             main.sum(), main.sum() + aux.sum(), model.trunk, model=model
         )
-        ref_inv = isolate.gradient_invariance(
+        ref_inv = isolate.gradients.gradient_invariance(
             ref_main.sum(), ref_main.sum() + ref_aux.sum(), ref.trunk, model=ref
         )
         out[f"{key}/invariance"] = dict(inv.deltas)
@@ -140,7 +142,7 @@ def audits() -> dict[str, Any]:
         sharding._fsdp_units = lambda modules: iter(())  # type: ignore[assignment]
         try:
             out[f"{key}/unmapped"] = raises(
-                lambda loss=loss: isolate.reachable_parameters(loss, model)
+                lambda loss=loss: isolate.reachability.reachable_parameters(loss, model)
             )
             out[f"{key}/unmapped_report"] = raises(
                 lambda loss=loss: isolate.gradient_report({"aux": loss}, model)
@@ -349,7 +351,8 @@ def fsdp1() -> dict[str, Any]:
         x = xs[dist.get_rank()]
         loss = wrapped(x).sum()
         out.setdefault(
-            "audit", raises(lambda loss=loss: isolate.reachable_parameters(loss, wrapped))
+            "audit",
+            raises(lambda loss=loss: isolate.reachability.reachable_parameters(loss, wrapped)),
         )
         loss.backward()
         opt.step()
@@ -390,9 +393,10 @@ def tp() -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = batch()
-    out: dict[str, Any] = {"reach": isolate.reachable_parameters(model(x).sum(), model)}
+    reach = isolate.reachability.reachable_parameters
+    out: dict[str, Any] = {"reach": reach(model(x).sum(), model)}
     cut = model[3](model[2](model[1](model[0](x))).detach()).sum()
-    out["cut_reach"] = isolate.reachable_parameters(cut, model)
+    out["cut_reach"] = isolate.reachability.reachable_parameters(cut, model)
     out["isolated"] = raises(lambda: isolate.assert_isolated(cut, model[0], model=model))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     spec = isolate.IsolationSpec(freeze=["0"], thaw=[isolate.Thaw("0", step=1)])

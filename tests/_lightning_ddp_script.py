@@ -29,7 +29,9 @@ import torch
 from _lightning_models import BackboneNet, Net, loader, trainer
 from pytorch_lightning.callbacks import BackboneFinetuning
 
-from isolate.lightning import IsolationCallback, IsolationWarning, RankDivergenceError, Thaw
+from isolate import IsolationWarning, Thaw
+from isolate.errors import RankDivergenceError
+from isolate.lightning import IsolationCallback
 
 
 class Record(pl.Callback):

@@ -27,9 +27,10 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
+from isolate import IsolationWarning, Thaw
+from isolate._sharding import canonical_parameters
 from isolate.drift import fingerprint
-from isolate.lightning import IsolationCallback, IsolationWarning, Thaw
-from isolate.sharding import canonical_parameters
+from isolate.lightning import IsolationCallback
 
 
 class ShardedNet(Net):

@@ -1,4 +1,4 @@
-"""A model factory for ``python -m isolate.schedule`` in the tests (imports torch only)."""
+"""A model factory for ``isolate schedule`` in the tests (imports torch only)."""
 
 from __future__ import annotations
 

@@ -15,13 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isolate import (
-    GradientReport,
-    assert_isolated,
-    gradient_invariance,
-    gradient_report,
-    reachable_parameters,
-)
+from isolate import assert_isolated, gradient_report
 from isolate.errors import (
     GradientLeakError,
     IsolationError,
@@ -29,6 +23,8 @@ from isolate.errors import (
     IsolationWarning,
     SelectorError,
 )
+from isolate.gradients import GradientReport, gradient_invariance
+from isolate.reachability import reachable_parameters
 
 
 def brute_force(loss: torch.Tensor | list[torch.Tensor], model: nn.Module) -> tuple[str, ...]:

@@ -15,13 +15,10 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import (
-    IsolationError,
-    IsolationTypeError,
-    RestoreError,
-    SelectorError,
-    WrappingError,
-)
+import isolate.freezing
+import isolate.reachability
+from isolate import IsolationError
+from isolate.errors import IsolationTypeError, RestoreError, SelectorError, WrappingError
 
 
 class Net(nn.Module):
@@ -145,7 +142,7 @@ CASES: list[tuple[str, Callable[[Net], Prepared], type[IsolationError], str]] = 
      SelectorError, r"^freeze\(\): 'trunk\.2' matched no parameter of Net"),
     ("malformed glob", _plain(lambda n: isolate.freeze(n, "trunk.[0")), SelectorError,
      r"^freeze\(\): malformed glob 'trunk\.\[0'"),
-    ("empty selector", _plain(lambda n: isolate.unfreeze(n, "")), SelectorError,
+    ("empty selector", _plain(lambda n: isolate.freezing.unfreeze(n, "")), SelectorError,
      r"^unfreeze\(\): empty selector"),
     ("predicate matches nothing", _plain(lambda n: isolate.freeze(n, lambda name, p: False)),
      SelectorError, r"^freeze\(\): '<lambda>' matched no parameter of Net"),
@@ -162,7 +159,7 @@ CASES: list[tuple[str, Callable[[Net], Prepared], type[IsolationError], str]] = 
      r"^freeze\(\): the parameter of shape \(1,\) passed as a selector is not a parameter of Net"),
     ("unknown BatchNorm policy", _plain(lambda n: isolate.freeze(n, "trunk", bn="fixed")),
      SelectorError, r"^freeze\(\): bn='fixed' is not a BatchNorm policy"),
-    ("unfreezing an integer parameter", _plain(lambda n: isolate.unfreeze(n)),
+    ("unfreezing an integer parameter", _plain(lambda n: isolate.freezing.unfreeze(n)),
      IsolationTypeError, r"^unfreeze\(\): parameters \['steps'\] are not floating point"),
     ("optimizer of the wrong type", _plain(lambda n: isolate.freeze(n, optimizer=[1])),
      IsolationTypeError, r"^freeze\(\): optimizer must be a torch\.optim\.Optimizer, got list"),
@@ -190,12 +187,13 @@ CASES: list[tuple[str, Callable[[Net], Prepared], type[IsolationError], str]] = 
     ("Frozen of a non-module", _plain(lambda n: isolate.Frozen(torch.nn.functional.relu)),
      IsolationTypeError,
      r"^Frozen\(\): the wrapped object must be a torch\.nn\.Module, got function"),
-    ("reachability of a non-tensor", _plain(lambda n: isolate.reachable_parameters(3.0, n)),
+    ("reachability of a non-tensor",
+     _plain(lambda n: isolate.reachability.reachable_parameters(3.0, n)),
      IsolationTypeError,
      r"^reachable_parameters\(\): loss must be a torch\.Tensor or a sequence of tensors, "
      r"got float"),
     ("reachability in a non-module",
-     _with_loss(lambda n, out: isolate.reachable_parameters(out.sum(), "net")),
+     _with_loss(lambda n, out: isolate.reachability.reachable_parameters(out.sum(), "net")),
      IsolationTypeError, r"^reachable_parameters\(\): model must be a torch\.nn\.Module, got str"),
     ("report of a non-scalar loss",
      _with_loss(lambda n, out: isolate.gradient_report({"main": out}, n)), IsolationTypeError,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from experiments import bench
+from isolate.errors import DriftError
 
 COLUMNS = {
     "name",
@@ -131,7 +132,7 @@ def test_the_verification_hook_sees_a_frozen_tensor_move() -> None:
         model.layers[0].linear1.weight[0, 0] += 1
     try:
         verify(loss)
-    except bench.isolate.DriftError as error:
+    except DriftError as error:
         assert "layers.0.linear1.weight" in str(error)
     else:
         raise AssertionError("the verification hook did not see the frozen weight move")

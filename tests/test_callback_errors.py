@@ -17,15 +17,11 @@ import torch
 import torch.nn.functional as F
 from _lightning_models import Net, TwoOptimizerNet, loader, state, trainer
 
-from isolate import CutOffError, IsolationSpec, IsolationTypeError, IsolationWarning
-from isolate.lightning import (
-    CheckpointMismatchError,
-    IsolationCallback,
-    SpecError,
-    Thaw,
-)
-from isolate.lightning.ddp import check_trainer
-from isolate.state import plain
+from isolate import IsolationSpec, IsolationWarning, Thaw
+from isolate.errors import CheckpointMismatchError, CutOffError, IsolationTypeError, SpecError
+from isolate.lightning import IsolationCallback
+from isolate.lightning.strategies import check_trainer
+from isolate.spec.state import plain
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
@@ -294,7 +290,7 @@ def test_a_checkpoint_without_the_callbacks_state_is_refused_at_either_hook(
 def test_a_ddp_wrapper_from_another_strategy_cannot_be_rebuilt() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from isolate.lightning.ddp import rewrap
+    from isolate.lightning.strategies import rewrap
 
     wrapped = object.__new__(DistributedDataParallel)  # isinstance only: never run
     fake = types.SimpleNamespace(strategy=types.SimpleNamespace(model=wrapped))

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 import isolate
+import isolate.errors
+import isolate.freezing
 
 
 class _ZeroInPlace(nn.Module):
@@ -70,7 +72,8 @@ def test_compiled_branch_leaves_the_main_features_intact_and_matches_eager(
     # Reference 2: the whole model, eager. An editing branch is refused by the default guard;
     # with inplace="copy" eager gets the copies that compiled code is documented to get.
     if branch is _ZeroInPlace:
-        with pytest.raises(isolate.InplaceModificationError, match=r"^Detached\(Sequential\): "):
+        error = isolate.errors.InplaceModificationError
+        with pytest.raises(error, match=r"^Detached\(Sequential\): "):
             model(x)
     model.aux.inplace = "copy"
     eager = tuple(t.detach() for t in model(x))
@@ -139,7 +142,7 @@ def test_flag_flips_inside_a_compiled_function_run_eagerly_at_every_call(backend
 
     def step(x: torch.Tensor) -> torch.Tensor:
         outer = isolate.freeze(model, "0")
-        inner = isolate.unfreeze(model, "0.weight")
+        inner = isolate.freezing.unfreeze(model, "0.weight")
         seen.append(tuple(p.requires_grad for p in model.parameters()))
         out = model(x).sum()
         inner.restore()

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from experiments.cli import cli_main  # noqa: E402
-from isolate import InplaceModificationError  # noqa: E402
+from isolate.errors import InplaceModificationError  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import isolate
-from isolate import IsolationTypeError
+from isolate.errors import IsolationTypeError
 
 
 class Batch:

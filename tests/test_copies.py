@@ -22,7 +22,11 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import isolate
-from isolate import Cloned, Detached, FreezeHandle, Frozen, RestoreError, WrappingError, freezing
+import isolate.errors
+import isolate.freezing
+from isolate import Cloned, Detached, Frozen, freezing
+from isolate.errors import RestoreError, WrappingError
+from isolate.freezing import FreezeHandle
 
 
 class Net(nn.Module):
@@ -129,7 +133,7 @@ def test_a_copy_made_while_a_freeze_is_active_stays_frozen_and_the_original_rest
     twin.train()
     twin(torch.randn(5, 3))
     assert not twin[1].training
-    with isolate.unfrozen(twin, "0", "1"):
+    with isolate.freezing.unfrozen(twin, "0", "1"):
         twin.train()
         twin(torch.randn(5, 3))
         assert twin[1].training and all(p.requires_grad for p in twin.parameters())
@@ -144,7 +148,7 @@ def test_a_loaded_handle_keeps_its_place_in_the_nesting_order() -> None:
     wrapped._handle._seq, policy.stack = shifted, [(shifted, "eval")]
     loaded = pickle.loads(pickle.dumps(wrapped))
     wrapped._handle._seq, policy.stack = shifted - 10**6, [(shifted - 10**6, "eval")]
-    newer = isolate.unfreeze(loaded.module, "1")
+    newer = isolate.freezing.unfreeze(loaded.module, "1")
     with pytest.raises(RestoreError, match=r"^Frozen\(\): restored out of order"):
         loaded.unwrap()
     newer.restore()
@@ -233,14 +237,14 @@ def test_restore_is_exact_through_copies_casts_loads_and_steps(data: st.DataObje
         )
         before = snapshot(model)
         if action in ("freeze", "unfreeze"):
-            operation = isolate.freeze if action == "freeze" else isolate.unfreeze
+            operation = isolate.freeze if action == "freeze" else isolate.freezing.unfreeze
             try:
                 handle = operation(
                     model,
                     *_selectors(model, data.draw),
                     bn=data.draw(st.sampled_from(["eval", "train"])),
                 )
-            except isolate.SelectorError:
+            except isolate.errors.SelectorError:
                 assert snapshot(model) == before  # refused: nothing changed
                 continue
             handles.append(handle)
@@ -257,7 +261,7 @@ def test_restore_is_exact_through_copies_casts_loads_and_steps(data: st.DataObje
             _step(twin, weight_decay=0.1)
             for wrapper in _frozen_wrappers(twin):
                 wrapper.unwrap()
-            with isolate.unfrozen(twin):
+            with isolate.freezing.unfrozen(twin):
                 twin(torch.randn(4, 2, dtype=next(twin.parameters()).dtype))
             assert snapshot(model) == before
         elif action == "cast":

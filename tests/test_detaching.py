@@ -11,17 +11,9 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import (
-    Cloned,
-    Detached,
-    GradientScale,
-    InplaceModificationError,
-    IsolationTypeError,
-    WrappingError,
-    clone,
-    scale_gradient,
-    stop_gradient,
-)
+import isolate.reachability
+from isolate import Cloned, Detached, GradientScale, clone, scale_gradient, stop_gradient
+from isolate.errors import InplaceModificationError, IsolationTypeError, WrappingError
 
 
 class Model(nn.Module):
@@ -247,7 +239,7 @@ def test_gradient_scale_followed_by_an_inplace_op(alpha: float) -> None:
     out.sum().backward()
     if alpha == 0.0:
         assert all(p.grad is None for p in trunk.parameters())  # a real cut
-        assert isolate.reachable_parameters(head(trunk(x)).sum(), trunk) == ()
+        assert isolate.reachability.reachable_parameters(head(trunk(x)).sum(), trunk) == ()
     else:
         grads = [p.grad for p in trunk.parameters()]
         assert all(

@@ -15,15 +15,10 @@ import torch
 from torch import nn
 
 from isolate import fingerprints as fingerprinting
-from isolate.drift import (
-    Exposure,
-    Snapshot,
-    fingerprint,
-    max_abs_diff,
-    optimizer_exposure,
-    snapshot,
-)
+from isolate.drift import Snapshot, max_abs_diff, snapshot
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
+from isolate.exposure import Exposure, optimizer_exposure
+from isolate.fingerprints import fingerprint
 
 
 def mnist_cnn() -> nn.Sequential:
@@ -431,8 +426,8 @@ def test_fingerprint_picks_its_scheme_by_where_the_tensor_lives() -> None:
     t = sample(torch.float32, 300)
     assert fingerprinting.scheme_of(t) == "host"
     assert fingerprint(t) == by("host")(t) != by("device")(t)  # two schemes: two numbers
-    assert fingerprinting._fingerprints([t, t]) == {id(t): ("host", fingerprint(t))}
-    forced = fingerprinting._fingerprints([t], {id(t): "device"})
+    assert fingerprinting.fingerprints([t, t]) == {id(t): ("host", fingerprint(t))}
+    forced = fingerprinting.fingerprints([t], {id(t): "device"})
     assert forced == {id(t): ("device", by("device")(t))}
 
 
@@ -498,10 +493,10 @@ def test_fingerprint_is_the_same_at_any_thread_count(scheme: fingerprinting.Sche
     try:
         torch.set_num_threads(1)
         one = by(scheme)(x)
-        batch = fingerprinting._fingerprints(many, {id(t): scheme for t in many})
+        batch = fingerprinting.fingerprints(many, {id(t): scheme for t in many})
         torch.set_num_threads(2)
         assert by(scheme)(x) == one
-        assert fingerprinting._fingerprints(many, {id(t): scheme for t in many}) == batch
+        assert fingerprinting.fingerprints(many, {id(t): scheme for t in many}) == batch
     finally:
         torch.set_num_threads(threads)
     assert [batch[id(t)] for t in many] == [(scheme, by(scheme)(t)) for t in many]
@@ -524,7 +519,7 @@ def test_a_print_is_checked_by_its_own_scheme(monkeypatch: pytest.MonkeyPatch) -
     with monkeypatch.context() as m:
         m.setattr(fingerprinting, "scheme_of", lambda t: "device")  # as if on a GPU
         snap = snapshot(model, copy=False)
-        from isolate.checks import DriftWatch
+        from isolate.spec.checks import DriftWatch
 
         watch = DriftWatch(model, ["0.weight"], ["1.running_mean"])
     assert {e.print.scheme for e in snap._entries if e.print} == {"device"}
@@ -824,7 +819,7 @@ def _small_tensors() -> list[torch.Tensor]:
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_many_fingerprints_equal_one_at_a_time(scheme: fingerprinting.Scheme) -> None:
     tensors = _small_tensors()
-    many = fingerprinting._fingerprints(tensors, {id(t): scheme for t in tensors})
+    many = fingerprinting.fingerprints(tensors, {id(t): scheme for t in tensors})
     assert [many[id(t)] for t in tensors] == [(scheme, by(scheme)(t)) for t in tensors]
     if scheme == "host":
         assert [many[id(t)].value for t in tensors] == [fingerprint(t) for t in tensors]

@@ -16,6 +16,7 @@ from torch import nn
 
 from examples import fabric_loop, lightning_callback, plain_loop
 from examples.toy import Net, batches
+from isolate.errors import CheckpointMismatchError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,7 +93,7 @@ def test_plain_loop_refuses_a_checkpoint_of_another_spec(tmp_path: Path) -> None
     state = torch.load(checkpoint, weights_only=True)
     state["isolation"]["spec"]["freeze"] = ["trunk.0.weight"]
     torch.save(state, checkpoint)
-    with pytest.raises(plain_loop.isolate.CheckpointMismatchError, match=r"  freeze: only in"):
+    with pytest.raises(CheckpointMismatchError, match=r"  freeze: only in"):
         plain_loop.train(4, checkpoint=checkpoint)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import isolate
+import isolate.freezing
 
 
 class Boom(RuntimeError):
@@ -81,7 +82,7 @@ def test_keyboard_interrupt_inside_unfrozen_restores() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     with isolate.frozen(model):
         frozen_state = state(model)
-        with pytest.raises(KeyboardInterrupt), isolate.unfrozen(model, "1"):
+        with pytest.raises(KeyboardInterrupt), isolate.freezing.unfrozen(model, "1"):
             raise KeyboardInterrupt
         assert state(model) == frozen_state
     assert all(p.requires_grad for p in model.parameters())

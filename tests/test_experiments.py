@@ -137,16 +137,16 @@ def test_a_detach_one_layer_early_cuts_the_layers_before_it_off() -> None:
     for early in (0, 1):
         torch.manual_seed(0)
         net = IsolationNet(branches=[Branch(name="probe", detach_early=early)])
-        with isolate.trace_forward(net) as trace:
+        with isolate.cutoff.trace_forward(net) as trace:
             images_out = net._outputs(images)
             total = torch.nn.functional.cross_entropy(images_out["main"], labels)
             total = total + torch.nn.functional.cross_entropy(images_out["probe"], labels)
-        cut[early] = isolate.cut_off_parameters(total, net, trace=trace).parameters
+        cut[early] = isolate.cutoff.cut_off_parameters(total, net, trace=trace).parameters
         if early:
             assert isinstance(net.trunk[9], isolate.Detached)  # moved from the branch
             assert not isinstance(net.branches["probe"], isolate.Detached)
             # The probe's loss now trains the trunk's last layer, and nothing before it.
-            reached = isolate.reachable_parameters(
+            reached = isolate.reachability.reachable_parameters(
                 torch.nn.functional.cross_entropy(net._outputs(images)["probe"], labels), net
             )
             assert sorted(n for n in reached if n.startswith("trunk")) == [
@@ -674,7 +674,7 @@ def test_the_cut_off_and_gradient_sections_draw_what_the_recorder_measured(
         outputs, labels = net._outputs(torch.randn(8, 1, 28, 28)), torch.randint(0, 10, (8,))
         losses = {k: torch.nn.functional.cross_entropy(v, labels) for k, v in outputs.items()}
         total = losses["main"] + losses["probe"]
-        cut = isolate.cut_off_parameters(total, net)
+        cut = isolate.cutoff.cut_off_parameters(total, net)
         report = isolate.gradient_report(
             losses, net, groups=_figure_groups(net, "trunk", _groups(net))
         )

@@ -13,7 +13,8 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from isolate import cut_off_parameters, gradient_report
+from isolate import gradient_report
+from isolate.cutoff import cut_off_parameters
 from isolate.errors import IsolationTypeError
 from isolate.figures import cell_text, plot_report
 
@@ -52,7 +53,7 @@ def test_cells_match_the_report_and_the_figure_renders() -> None:
     model, losses = scene()
     report = gradient_report(losses, model)
     cut = cut_off_parameters(losses, model)
-    fig = report.figure(cut_off=cut)
+    fig = plot_report(report, cut_off=cut)
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
     groups = list(report.groups)

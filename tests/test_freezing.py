@@ -10,20 +10,9 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import (
-    FreezeHandle,
-    Frozen,
-    IsolationError,
-    IsolationTypeError,
-    RestoreError,
-    SelectorError,
-    WrappingError,
-    freeze,
-    frozen,
-    is_frozen,
-    unfreeze,
-    unfrozen,
-)
+from isolate import Frozen, IsolationError, freeze, frozen
+from isolate.errors import IsolationTypeError, RestoreError, SelectorError, WrappingError
+from isolate.freezing import FreezeHandle, is_frozen, unfreeze, unfrozen
 
 
 class Net(nn.Module):

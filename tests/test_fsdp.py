@@ -18,8 +18,10 @@ from torch import nn
 from torch.func import functional_call
 
 import isolate
+import isolate.errors
+import isolate.reachability
 from isolate.errors import ShardedGraphError
-from isolate.graph import walk
+from isolate.reachability import walk
 
 SCRIPT = Path(__file__).with_name("_fsdp_script.py")
 
@@ -210,12 +212,12 @@ def test_wrapper_with_hidden_leaves_is_refused() -> None:
     found = walk([loss], "raw")
     assert not any(id(p) in found.leaves for p in model.parameters())
     with pytest.raises(ShardedGraphError, match=r"^reachable_parameters\(\): the graph's leaves"):
-        isolate.reachable_parameters(loss, model)
+        isolate.reachability.reachable_parameters(loss, model)
     with pytest.raises(ShardedGraphError, match=r"^assert_isolated\(\): the graph's leaves"):
         isolate.assert_isolated(loss, model.module[0], model=model)
     with pytest.raises(ShardedGraphError, match=r"^gradient_report\(\): "):
         isolate.gradient_report({"main": loss}, model)
-    assert issubclass(ShardedGraphError, isolate.BlindSpotError)
+    assert issubclass(ShardedGraphError, isolate.errors.BlindSpotError)
 
 
 def test_foreign_leaves_that_stand_for_nothing_are_fine() -> None:
@@ -223,9 +225,9 @@ def test_foreign_leaves_that_stand_for_nothing_are_fine() -> None:
     encoder, head = nn.Linear(3, 3), nn.Linear(3, 1)
     x = torch.randn(2, 3, requires_grad=True)
     loss = head(encoder(x).detach() + x).sum()
-    assert isolate.reachable_parameters(loss, encoder) == ()
+    assert isolate.reachability.reachable_parameters(loss, encoder) == ()
     isolate.assert_isolated(loss, encoder)
-    assert isolate.reachable_parameters(loss, head) == ("weight", "bias")
+    assert isolate.reachability.reachable_parameters(loss, head) == ("weight", "bias")
 
 
 LIGHTNING_SCRIPT = Path(__file__).with_name("_lightning_fsdp_script.py")
@@ -321,7 +323,7 @@ def test_deepspeed_is_refused_naming_the_reason() -> None:
 
     from isolate.errors import UnsupportedStrategyError
     from isolate.lightning import IsolationCallback
-    from isolate.lightning.ddp import check_trainer
+    from isolate.lightning.strategies import check_trainer
 
     callback = IsolationCallback(freeze=["trunk"])
     strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # deepspeed is not installed
@@ -338,7 +340,7 @@ def test_fsdp_strategy_without_orig_params_is_refused() -> None:
 
     from isolate.errors import UnsupportedStrategyError
     from isolate.lightning import IsolationCallback
-    from isolate.lightning.ddp import check_trainer
+    from isolate.lightning.strategies import check_trainer
 
     callback = IsolationCallback(freeze=["trunk"])
     strategy = FSDPStrategy.__new__(FSDPStrategy)

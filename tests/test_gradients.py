@@ -12,15 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from isolate import (
-    assert_isolated,
-    cut_off_parameters,
-    freeze,
-    gradient_invariance,
-    gradient_report,
-    reachable_parameters,
-)
-from isolate.gradients import GradientReport
+from isolate import assert_isolated, freeze, gradient_report
+from isolate.cutoff import cut_off_parameters
+from isolate.gradients import GradientReport, gradient_invariance
+from isolate.reachability import reachable_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

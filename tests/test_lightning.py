@@ -22,14 +22,15 @@ from pytorch_lightning.callbacks import BackboneFinetuning, BaseFinetuning, Mode
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 
-from isolate import Detached, DriftError, GradientLeakError, IsolationError, SelectorError
-from isolate.lightning import (
+from isolate import Detached, IsolationError, IsolationWarning, Thaw
+from isolate.errors import (
     CheckpointMismatchError,
-    IsolationCallback,
-    IsolationWarning,
+    DriftError,
+    GradientLeakError,
+    SelectorError,
     SpecError,
-    Thaw,
 )
+from isolate.lightning import IsolationCallback
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
@@ -414,7 +415,7 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], type[Exception], str]] 
         {"all_params": True, "weight_decay": 1e-4},
         SpecError,
         r"^IsolationCallback: 6 frozen parameters sit in an optimizer.*\n  trunk.0.weight: "
-        r"optimizer 0, param group 0 \(weight_decay=0.0001, momentum=0.9\)",
+        r"optimizer 0, param group 0 \(weight_decay=0.0001 shrinks it on every step\)",
     ),
 ]
 

@@ -22,10 +22,12 @@ from pytorch_lightning.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
 from torch.utils.data import DataLoader
 
-from isolate import IsolationSpec, SpecError, Thaw
-from isolate.leave import plain_checkpoint
+from isolate import IsolationSpec, Thaw
+from isolate.cli import main
+from isolate.errors import SpecError
+from isolate.interop.leave import plain_checkpoint
+from isolate.interop.migrate import from_finetuning_scheduler, regex_to_glob
 from isolate.lightning import IsolationCallback
-from isolate.migrate import from_finetuning_scheduler, main, regex_to_glob
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
@@ -494,7 +496,7 @@ def test_fts_converter_command(tmp_path: Path, capsys: pytest.CaptureFixture[str
         "0:\n  params:\n  - model.classifier.bias\n  - model.classifier.weight\n"
         "1:\n  params:\n  - model\\.pooler\\..*\n  lr: 1.0e-05\n  max_transition_epoch: 4\n"
     )
-    assert main([str(path), "--patience", "5"]) == 0
+    assert main(["migrate", str(path), "--patience", "5"]) == 0
     spec = IsolationSpec.from_dict(yaml.safe_load(capsys.readouterr().out))
     assert spec.freeze == ("*", "!model.classifier.bias", "!model.classifier.weight")
     assert spec.thaw == (

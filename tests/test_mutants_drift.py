@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from isolate import DriftError, IsolationTypeError, optimizer_exposure, snapshot
+from isolate import snapshot
 from isolate.drift import max_abs_diff
+from isolate.errors import DriftError, IsolationTypeError
+from isolate.exposure import optimizer_exposure
 
 
 def test_max_abs_diff_of_empty_complex_and_mixed_tensors() -> None:
@@ -65,7 +67,7 @@ def test_a_mapping_snapshot_compares_the_tensors_it_was_given() -> None:
         "Fix: a parameter with requires_grad=False still moves when its .grad is a zero "
         "tensor and the optimizer has weight decay or momentum: call "
         "optimizer.zero_grad(set_to_none=True) or drop it from the optimizer "
-        "(isolate.optimizer_exposure lists such parameters); BatchNorm running statistics "
+        "(isolate.exposure.optimizer_exposure lists such parameters); BatchNorm running statistics "
         "update in train mode whatever requires_grad says: put those layers in eval mode "
         "(isolate.freeze(..., bn='eval'))"
     )

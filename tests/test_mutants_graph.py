@@ -13,7 +13,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isolate import GradientLeakError, IsolationWarning, assert_isolated, reachable_parameters
+from isolate import IsolationWarning, assert_isolated
+from isolate.errors import GradientLeakError
+from isolate.reachability import reachable_parameters
 
 FIX = (
     "Fix: cut the path where the branch starts (isolate.stop_gradient(features) or "

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import IsolationTypeError, SelectorError
+import isolate.errors
+import isolate.freezing
+from isolate.errors import IsolationTypeError, SelectorError
 
 
 class Scaled(nn.Module):
@@ -59,7 +61,7 @@ def test_a_handle_without_optimizer_has_no_exposures_and_says_what_it_holds() ->
     )
     handle.restore()
     assert repr(handle).endswith(", restored)")
-    inner = isolate.unfreeze(model, "0")
+    inner = isolate.freezing.unfreeze(model, "0")
     assert (
         repr(inner)
         == "FreezeHandle(unfreeze on Sequential: 2 parameters, 0 BatchNorm layers, active)"
@@ -71,9 +73,9 @@ def test_is_frozen_names_itself_in_its_errors() -> None:
     with pytest.raises(
         IsolationTypeError, match=r"^is_frozen\(\): model must be a torch\.nn\.Module, got str"
     ):
-        isolate.is_frozen("model")  # type: ignore[arg-type]
+        isolate.freezing.is_frozen("model")  # type: ignore[arg-type]
     with pytest.raises(SelectorError, match=r"^is_frozen\(\): 'zz' matched no parameter of Linear"):
-        isolate.is_frozen(nn.Linear(2, 1), "zz")
+        isolate.freezing.is_frozen(nn.Linear(2, 1), "zz")
 
 
 class _EditsBoth(nn.Module):
@@ -87,7 +89,7 @@ def test_the_guard_lists_every_edited_input() -> None:
     a = torch.ones(2, requires_grad=True) * 1
     b = torch.ones(3, requires_grad=True) * 1
     with pytest.raises(
-        isolate.InplaceModificationError,
+        isolate.errors.InplaceModificationError,
         match=r"^Detached\(_EditsBoth\): the branch edited input 0 \(shape \[2\]\), "
         r"input 1 \(shape \[3\]\) in place; ",
     ):

@@ -13,14 +13,12 @@ import torchvision
 from torch import nn
 
 import isolate
-from isolate import (
-    assert_isolated,
-    gradient_invariance,
-    gradient_report,
-    reachable_parameters,
-)
-from isolate.drift import optimizer_exposure, snapshot
+from isolate import assert_isolated, gradient_report
+from isolate.drift import snapshot
 from isolate.errors import DriftError, GradientLeakError
+from isolate.exposure import optimizer_exposure
+from isolate.gradients import gradient_invariance
+from isolate.reachability import reachable_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

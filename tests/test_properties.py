@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from isolate import FreezeHandle, SelectorError, freeze, unfreeze
+from isolate import freeze
+from isolate.errors import SelectorError
+from isolate.freezing import FreezeHandle, unfreeze
 
 LEAVES = st.sampled_from(["linear", "bn", "bn_noaffine", "relu", "layernorm"])
 _GLOBS = ("*.bias", "*weight", "*", "1.*", "*.running_mean")

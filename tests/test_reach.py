@@ -15,16 +15,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import isolate
-from isolate import (
+from isolate import assert_reached
+from isolate.cutoff import CutOff, cut_off_parameters, trace_forward
+from isolate.errors import (
     BlindSpotError,
-    CutOff,
     CutOffError,
-    assert_reached,
-    cut_off_parameters,
-    reachable_parameters,
-    trace_forward,
+    IsolationError,
+    IsolationTypeError,
+    SelectorError,
 )
-from isolate.errors import IsolationError, IsolationTypeError, SelectorError
+from isolate.reachability import reachable_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

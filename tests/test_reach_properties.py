@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import isolate
-from isolate import cut_off_parameters, reachable_parameters, trace_forward
+from isolate.cutoff import cut_off_parameters, trace_forward
+from isolate.reachability import reachable_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

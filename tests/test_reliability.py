@@ -37,7 +37,9 @@ from _lightning_models import Net, RNGState, loader, resumable_loader, state, tr
 from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
 
-from isolate.lightning import CheckpointMismatchError, IsolationCallback, Thaw
+from isolate import Thaw
+from isolate.errors import CheckpointMismatchError
+from isolate.lightning import IsolationCallback
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
@@ -405,7 +407,7 @@ def test_class_path_in_a_thaw_step_is_refused_unbuilt(
         with pytest.raises(SystemExit) as exit_:
             LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
         assert exit_.value.code == 2
-        assert "isolate.spec.ThawKeys" in capsys.readouterr().err
+        assert "isolate.spec.thaw.ThawKeys" in capsys.readouterr().err
         assert not pwned.exists()  # FileHandler creates its file when constructed
 
 

@@ -23,8 +23,11 @@ from pytorch_lightning.callbacks import EarlyStopping
 from torch import nn
 from torch.optim import lr_scheduler as L
 
-from isolate import CheckpointMismatchError, IsolationSpec, SpecError, Thaw
-from isolate.schedule import Plateau, default_schedule, main, ramp
+from isolate import IsolationSpec, Thaw
+from isolate.cli import main
+from isolate.errors import CheckpointMismatchError, SpecError
+from isolate.interop.schedules import default_schedule
+from isolate.spec.clock import Plateau, ramp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -314,7 +317,7 @@ def test_default_schedule_thaws_one_block_per_phase_from_the_head_back() -> None
 
 
 def test_schedule_command_writes_yaml_that_applies(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["_schedule_models:build_tower", "--by-epoch"]) == 0
+    assert main(["schedule", "_schedule_models:build_tower", "--by-epoch"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# Default isolate schedule for _schedule_models:build_tower (Tower)")
     spec = IsolationSpec.from_dict(yaml.safe_load(out))
@@ -333,7 +336,7 @@ def test_schedule_command_writes_yaml_that_applies(capsys: pytest.CaptureFixture
 @pytest.mark.slow
 def test_schedule_command_runs_as_a_module() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "isolate.schedule", "_schedule_models:build_tower"],
+        [sys.executable, "-m", "isolate", "schedule", "_schedule_models:build_tower"],
         cwd=REPO / "tests",
         capture_output=True,
         text=True,

@@ -10,17 +10,9 @@ import torch
 from pytorch_lightning.callbacks import BaseFinetuning
 from torch import nn
 
-from isolate import (
-    GradientLeakError,
-    IsolationSpec,
-    SelectorError,
-    SpecError,
-    Thaw,
-    assert_isolated,
-    freeze,
-    gradient_report,
-)
+from isolate import IsolationSpec, Thaw, assert_isolated, freeze, gradient_report
 from isolate._selectors import select
+from isolate.errors import GradientLeakError, SelectorError, SpecError
 
 
 class Block(nn.Module):

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import Cloned, Detached, InplaceModificationError
+from isolate import Cloned, Detached
+from isolate.errors import InplaceModificationError
 
 SIGMOID_GRAD = torch.tensor([0.1966, 0.1050, 0.0452])
 

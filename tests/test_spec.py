@@ -11,16 +11,15 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import (
+from isolate import IsolationSpec, Thaw
+from isolate.errors import (
     CheckpointMismatchError,
     DriftError,
     GradientLeakError,
-    IsolationSpec,
     SelectorError,
     SpecError,
-    Thaw,
 )
-from isolate.checks import Verification
+from isolate.spec.checks import Verification
 
 pytestmark = pytest.mark.filterwarnings("ignore::isolate.IsolationWarning")
 
@@ -370,10 +369,10 @@ def test_a_foreign_state_is_refused_and_changes_nothing(edit: Any, match: str) -
 
 def test_each_selector_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import isolate.freezing
-    import isolate.plan
+    import isolate.spec.plan
 
     calls: list[tuple[str, ...]] = []
-    real = isolate.plan.select
+    real = isolate.spec.plan.select
 
     def counting(model: nn.Module, selectors: Any, caller: str) -> Any:
         calls.append(tuple(selectors))
@@ -382,7 +381,7 @@ def test_each_selector_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("freezing resolved a selector again")
 
-    monkeypatch.setattr(isolate.plan, "select", counting)
+    monkeypatch.setattr(isolate.spec.plan, "select", counting)
     monkeypatch.setattr(isolate.freezing, "select", refuse)
     model = Net()
     handle = SPEC.apply(model, optimizer=torch.optim.SGD(model.head.parameters(), lr=0.1))

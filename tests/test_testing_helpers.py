@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import isolate.testing as plugin
+from isolate.cutoff import assert_reached as core_assert_reached
 from isolate.drift import Snapshot
 from isolate.errors import CutOffError, DriftError, GradientLeakError
-from isolate.graph import assert_isolated as auditing_assert_isolated
-from isolate.reach import assert_reached as core_assert_reached
+from isolate.reachability import assert_isolated as auditing_assert_isolated
 from isolate.testing import (
     assert_gradient_invariance,
     assert_isolated,

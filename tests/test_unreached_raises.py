@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import isolate
-from isolate import IsolationTypeError
+from isolate.errors import IsolationTypeError
 
 
 class _WithMask(list):  # type: ignore[type-arg]

@@ -1,4 +1,4 @@
-"""The Lightning adapter: each hook drives the core :class:`~isolate.engine.IsolationHandle`."""
+"""The Lightning adapter: each hook drives the core :class:`~isolate.IsolationHandle`."""
 
 from __future__ import annotations
 
@@ -12,18 +12,24 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 
-from isolate.distributed import world_size
-from isolate.engine import IsolationHandle
 from isolate.errors import (
     IsolationError,
     IsolationTypeError,
     IsolationWarning,
     SpecError,
 )
-from isolate.lightning.ddp import applies_at_fit_start, check_trainer, load_state_first, rewrap
+from isolate.lightning.checkpoint import CheckpointState, check_before_weights
 from isolate.lightning.metrics import grad_norms, log_figure
-from isolate.lightning.state import CheckpointState, check_before_weights
-from isolate.spec import IsolationSpec, Thaw, ThawKeys, string_list
+from isolate.lightning.strategies import (
+    applies_at_fit_start,
+    check_trainer,
+    load_state_first,
+    rewrap,
+)
+from isolate.spec import IsolationSpec, Thaw, ThawKeys
+from isolate.spec._fields import string_list
+from isolate.spec.handle import IsolationHandle
+from isolate.spec.ranks import world_size
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
 
@@ -52,7 +58,7 @@ class IsolationCallback(CheckpointState):
     A thin adapter over :class:`isolate.IsolationSpec`: ``setup("fit")`` applies the spec
     (before ``configure_optimizers`` and DDP), ``on_fit_start`` attaches the optimizers, each
     batch runs the thaw schedule, and every ``verify_every_n_steps`` optimizer steps
-    :meth:`~isolate.engine.IsolationHandle.verify` checks reach, drift, flags, optimizers and
+    :meth:`~isolate.spec.handle.IsolationHandle.verify` checks reach, drift, flags, optimizers and
     ranks. It adds: DDP rebuilt after a thaw, gradient norms per group in the loggers
     (``isolation/grad_norm/<group>``), the spec's state in checkpoints (a resume thaws what
     was thawed, before DDP wraps the model); ``teardown`` and ``on_exception`` undo it all.
@@ -80,7 +86,7 @@ class IsolationCallback(CheckpointState):
         expected_unused: selectors of parameters that may go without gradient on a step
             (a mixture-of-experts expert no token was routed to). Every other trainable
             parameter must be reached by the loss backpropagated at each check step and on
-            the first step after a thaw, else a :class:`~isolate.CutOffError`.
+            the first step after a thaw, else a :class:`~isolate.errors.CutOffError`.
         drift: how frozen tensors are watched: ``"fingerprint"`` (O(number of tensors) host
             memory, any changed bit caught) or ``"copy"`` (a host copy of the frozen part; the
             report gives the size of a change).
@@ -99,7 +105,7 @@ class IsolationCallback(CheckpointState):
 
     Note:
         Traps it handles, and the ones it cannot (the engine's own are in
-        :class:`~isolate.engine.IsolationHandle`):
+        :class:`~isolate.spec.handle.IsolationHandle`):
 
         * Lightning calls ``model.train()`` every epoch and resets ``training`` flags after
           validation by assignment; ``bn="eval"`` holds BatchNorm layers in a forward

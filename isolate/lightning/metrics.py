@@ -8,9 +8,10 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from isolate.engine import IsolationHandle
+from isolate.cutoff import cut_off_parameters
+from isolate.figures import plot_report
 from isolate.gradients import gradient_report
-from isolate.reach import cut_off_parameters
+from isolate.spec.handle import IsolationHandle
 
 __all__ = ["grad_norms", "log_figure"]
 
@@ -60,8 +61,8 @@ def log_figure(
     FSDP2); rank zero logs.
     """
     report = gradient_report(losses, model)
-    figure = report.figure(
-        cut_off=cut_off_parameters(total, model, expected_unused=expected_unused)
+    figure = plot_report(
+        report, cut_off=cut_off_parameters(total, model, expected_unused=expected_unused)
     )
     logged = 0
     if trainer.is_global_zero:

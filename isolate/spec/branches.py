@@ -18,7 +18,7 @@ from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
 from isolate.cloning import Cloned
 from isolate.detaching import Detached
-from isolate.plan import Wrap
+from isolate.spec.plan import Wrap
 
 __all__ = ["RECORD_LIMIT", "Branches"]
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from isolate.branches import RECORD_LIMIT, Branches
-from isolate.distributed import check_ranks, world_size
+from isolate._autograd import walk
+from isolate._sharding import check_leaves
+from isolate.cutoff import cut_off_parameters
 from isolate.drift import max_abs_diff
 from isolate.errors import (
     BlindSpotError,
@@ -26,12 +27,13 @@ from isolate.errors import (
     IsolationTypeError,
     SpecError,
 )
-from isolate.fingerprints import Print, _fingerprints, _fingerprints_as
-from isolate.graph import assert_isolated, walk
-from isolate.optimizers import find
-from isolate.plan import Names, Plan, shown
-from isolate.reach import cut_off_parameters
-from isolate.sharding import check_leaves
+from isolate.exposure import optimizer_exposure
+from isolate.fingerprints import Print, fingerprints, fingerprints_as
+from isolate.reachability import assert_isolated
+from isolate.spec.branches import RECORD_LIMIT, Branches
+from isolate.spec.optimizers import find
+from isolate.spec.plan import Names, Plan, shown
+from isolate.spec.ranks import check_ranks, world_size
 
 __all__ = [
     "DriftWatch",
@@ -47,7 +49,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Verification:
-    """What one :meth:`~isolate.engine.IsolationHandle.verify` checked.
+    """What one :meth:`~isolate.spec.handle.IsolationHandle.verify` checked.
 
     Attributes:
         losses: loss name -> how many protected parameters were checked against it.
@@ -119,7 +121,7 @@ class DriftWatch:
     def _keep(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | Print]:
         if self.copy:
             return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
-        prints = _fingerprints(tensors.values())  # one batched pass, tied tensors once
+        prints = fingerprints(tensors.values())  # one batched pass, tied tensors once
         return {n: prints[id(t)] for n, t in tensors.items()}
 
     def __len__(self) -> int:
@@ -132,7 +134,7 @@ class DriftWatch:
 
     def _changed(self, current: Mapping[str, torch.Tensor]) -> dict[str, float]:
         present = {n: current[n] for n in self._saved if n in current}
-        now = _fingerprints_as(
+        now = fingerprints_as(
             (present[n], saved)
             for n, saved in self._saved.items()
             if isinstance(saved, Print) and n in present
@@ -227,8 +229,6 @@ def check_optimizers(
     when: str,
     caller: str,
 ) -> list[IsolationError]:
-    from isolate.drift import optimizer_exposure
-
     ids = {id(p): n for n, p in frozen.items()}
     exposed: list[str] = []
     for oi, opt in enumerate(optimizers):

@@ -11,7 +11,7 @@ when the monitored metric stops improving (FTS's ``FTSEarlyStopping``) or at
 That maps onto a spec one to one: ``freeze: ["*", "!<phase 0 names>"...]`` and one
 :class:`~isolate.spec.Thaw` per later phase with ``lr``, ``monitor`` / ``patience`` /
 ``min_delta`` / ``mode`` and ``epoch`` as the latest. :func:`from_finetuning_scheduler` does it;
-``python -m isolate.migrate schedule.yaml`` prints the spec as YAML. Keys that rebuild the
+``isolate migrate schedule.yaml`` prints the spec as YAML. Keys that rebuild the
 optimizer or scheduler mid-run (``new_optimizer``, ``new_lr_scheduler``) have no counterpart
 and are refused, naming the phase.
 """
@@ -27,8 +27,9 @@ from typing import Any
 from torch import nn
 
 from isolate.errors import SpecError
+from isolate.interop.schedules import to_yaml
 
-__all__ = ["from_finetuning_scheduler", "main", "regex_to_glob"]
+__all__ = ["add_arguments", "from_finetuning_scheduler", "regex_to_glob", "run"]
 
 _CALLER = "from_finetuning_scheduler()"
 _KNOWN = ("params", "lr", "max_transition_epoch")
@@ -204,22 +205,32 @@ def from_finetuning_scheduler(
     return {"freeze": freeze, "bn": bn, "thaw": thaw}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m isolate.migrate fts_schedule.yaml``: print the equivalent isolate spec."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``isolate migrate``."""
+    parser.add_argument("schedule", help="the finetuning-scheduler schedule (.yaml)")
+    parser.add_argument(
+        "--epoch-transitions-only",
+        action="store_true",
+        help="phases move only at epoch ends, as FTS's epoch_transitions_only",
+    )
+    parser.add_argument(
+        "--base-max-lr",
+        type=float,
+        default=1e-5,
+        help="lr of phases that give none (FTS's base_max_lr; default 1e-5)",
+    )
+    parser.add_argument(
+        "--monitor", default="val_loss", help="metric that ends a phase (default val_loss)"
+    )
+    parser.add_argument(
+        "--patience", type=int, default=3, help="checks without improvement (default 3)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``isolate migrate fts_schedule.yaml``: print the equivalent isolate spec as YAML."""
     import yaml  # only here: isolate itself does not need PyYAML
 
-    from isolate.schedule import to_yaml
-
-    parser = argparse.ArgumentParser(
-        prog="python -m isolate.migrate",
-        description="Convert a finetuning-scheduler schedule file to isolate spec YAML.",
-    )
-    parser.add_argument("schedule", help="the FTS schedule .yaml")
-    parser.add_argument("--epoch-transitions-only", action="store_true")
-    parser.add_argument("--base-max-lr", type=float, default=1e-5)
-    parser.add_argument("--monitor", default="val_loss")
-    parser.add_argument("--patience", type=int, default=3)
-    args = parser.parse_args(argv)
     with open(args.schedule, encoding="utf-8") as f:
         fts = yaml.safe_load(f)
     spec = from_finetuning_scheduler(
@@ -231,7 +242,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sys.stdout.write(to_yaml(spec, f"isolate spec converted from {args.schedule}"))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,175 +7,14 @@ leak and the operation behind it.
 
 from __future__ import annotations
 
-import warnings
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import torch
 from torch import nn
-from torch.autograd.graph import Node
 
+from isolate._autograd import Losses, check_losses, walk
 from isolate._selectors import Protected, check_module, resolve_named
-from isolate.errors import GradientLeakError, IsolationTypeError, IsolationWarning
-from isolate.sharding import check_leaves, roots_of
+from isolate._sharding import check_leaves, roots_of
+from isolate.errors import GradientLeakError
 
-__all__ = ["Losses", "assert_isolated", "check_losses", "reachable_parameters", "walk"]
-
-Losses = torch.Tensor | Sequence[torch.Tensor]
-"""One output tensor, or several (a list or tuple of tensors)."""
-
-# Backward nodes that only change a tensor's layout: when naming the operation that connects
-# a parameter to the loss, these are looked through (``weight.t()`` feeds ``addmm``).
-_LAYOUT_OPS = frozenset(
-    {
-        "TBackward0",
-        "TransposeBackward0",
-        "PermuteBackward0",
-        "ViewBackward0",
-        "UnsafeViewBackward0",
-        "ReshapeAliasBackward0",
-        "ExpandBackward0",
-        "UnsqueezeBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "SqueezeBackward2",
-        "SelectBackward0",
-        "SliceBackward0",
-        "AsStridedBackward0",
-        "AliasBackward0",
-        "CloneBackward0",
-        "ToCopyBackward0",
-        "UnbindBackward0",
-        "SplitBackward0",
-        "SplitWithSizesBackward0",
-    }
-)
-
-# Nodes that use parameters the graph does not show: the reentrant checkpoint re-runs its
-# function in backward, so whatever that function touches is invisible to the walk.
-_OPAQUE_OPS = frozenset({"CheckpointFunctionBackward"})
-
-
-def _node_name(node: Node) -> str:
-    return node.name().removeprefix("torch::autograd::")
-
-
-@dataclass
-class _Walk:
-    """What one walk of an autograd graph found, keyed on tensor identity."""
-
-    # id(leaf tensor) -> the leaf; leaves that are outputs themselves have no node.
-    leaves: dict[int, torch.Tensor] = field(default_factory=dict)
-    # id(leaf tensor) -> the nodes that feed gradient into its AccumulateGrad node.
-    consumers: dict[int, list[Node]] = field(default_factory=dict)
-    # every node seen -> the node it was first reached from (None for the outputs' own nodes).
-    # Holding the node objects also keeps their Python wrappers alive, so identity is stable.
-    parent: dict[Node, Node | None] = field(default_factory=dict)
-    opaque: list[str] = field(default_factory=list)
-
-    def path(self, node: Node) -> list[str]:
-        """Node names from an output down to ``node`` along the first-found route."""
-        names: list[str] = []
-        cur: Node | None = node
-        while cur is not None:
-            names.append(_node_name(cur))
-            cur = self.parent[cur]
-        return names[::-1]
-
-    def connecting_ops(self, tensor: torch.Tensor) -> list[str]:
-        """The operations that consume ``tensor``, looking through layout-only nodes."""
-        ops: list[str] = []
-        for consumer in self.consumers.get(id(tensor), []):
-            through: list[str] = []
-            cur: Node | None = consumer
-            while cur is not None and _node_name(cur) in _LAYOUT_OPS:
-                through.append(_node_name(cur))
-                cur = self.parent[cur]
-            if cur is None:
-                text = " <- ".join(through)
-            elif through:
-                text = f"{_node_name(cur)} (through {' <- '.join(through)})"
-            else:
-                text = _node_name(cur)
-            if text not in ops:
-                ops.append(text)
-        return ops
-
-
-def _accumulated(node: Node) -> torch.Tensor | None:
-    """The leaf an ``AccumulateGrad`` node writes to; ``None`` for every other node.
-
-    Checked by name, not by a ``variable`` attribute alone: the node of a custom
-    ``autograd.Function`` is its ``ctx``, where user code may store anything under any name.
-    """
-    if node.name() != "torch::autograd::AccumulateGrad":
-        return None
-    variable = getattr(node, "variable", None)
-    return variable if isinstance(variable, torch.Tensor) else None
-
-
-def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
-    if isinstance(losses, torch.Tensor):
-        return [losses]
-    if isinstance(losses, Sequence) and not isinstance(losses, str):
-        bad = [(i, type(t).__name__) for i, t in enumerate(losses) if not torch.is_tensor(t)]
-        if not bad:
-            return list(losses)
-        raise IsolationTypeError(
-            f"{caller}: every output must be a torch.Tensor; got {bad[0][1]} at index "
-            f"{bad[0][0]}; pass the loss tensor itself (not loss.item())"
-        )
-    raise IsolationTypeError(
-        f"{caller}: loss must be a torch.Tensor or a sequence of tensors, got "
-        f"{type(losses).__name__}; pass the loss tensor itself (not loss.item())"
-    )
-
-
-def walk(outputs: Sequence[torch.Tensor], caller: str, *, warn: bool = True) -> _Walk:
-    """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
-
-    Breadth-first rather than depth-first: the cost is the same (each node and edge once),
-    and the first route recorded to each node is a shortest one, which is the route a leak
-    message should show. ``warn=False`` leaves the opaque nodes to the caller, which must
-    then act on ``found.opaque`` itself.
-    """
-    found = _Walk()
-    queue: deque[Node] = deque()
-    for out in outputs:
-        if out.grad_fn is not None:
-            if out.grad_fn not in found.parent:
-                found.parent[out.grad_fn] = None
-                queue.append(out.grad_fn)
-        elif out.requires_grad:  # a leaf that is its own output reaches itself
-            found.leaves[id(out)] = out
-    while queue:
-        node = queue.popleft()
-        variable = _accumulated(node)
-        if variable is not None:  # the end of a path
-            found.leaves[id(variable)] = variable
-            continue
-        if _node_name(node) in _OPAQUE_OPS:
-            found.opaque.append(_node_name(node))
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            leaf = _accumulated(child)
-            if leaf is not None:
-                found.consumers.setdefault(id(leaf), []).append(node)
-            if child not in found.parent:
-                found.parent[child] = node
-                queue.append(child)
-    if found.opaque and warn:
-        warnings.warn(
-            f"{caller}: the graph holds {sorted(set(found.opaque))}, which re-runs code in "
-            f"backward; parameters used only inside it are invisible to the graph found. "
-            f"Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) to make them "
-            f"visible",
-            IsolationWarning,
-            stacklevel=3,
-        )
-    return found
+__all__ = ["assert_isolated", "reachable_parameters"]
 
 
 def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
@@ -214,6 +53,7 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
         ``torch.utils.checkpoint`` with ``use_reentrant=True`` (warned about) and custom
         Functions that close over parameters.
 
+    >>> import torch
     >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     >>> x = torch.randn(2, 3)
     >>> reachable_parameters(model(x).sum(), model)
@@ -267,6 +107,7 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
         but BatchNorm running statistics still move in train mode and optimizers still move
         parameters whose ``.grad`` is a zero tensor; use :func:`isolate.snapshot` for those.
 
+    >>> import torch
     >>> encoder, head = nn.Linear(4, 4), nn.Linear(4, 1)
     >>> x = torch.randn(2, 4)
     >>> assert_isolated(head(encoder(x).detach()).sum(), encoder)

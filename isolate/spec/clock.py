@@ -8,28 +8,21 @@
 * :class:`Plateau` is Lightning's ``EarlyStopping`` rule (``patience`` checks without an
   improvement larger than ``min_delta`` in direction ``mode``); :class:`Phases` runs one per
   ``monitor`` thaw, in schedule order, and says which became due. Nothing here ends a run.
-* :func:`default_schedule` writes a starting schedule from a model's structure (one phase
-  per top-level block, from the head backwards); ``python -m isolate.schedule
-  package.module:build_model`` prints it as YAML.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
-from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from isolate.errors import CheckpointMismatchError, SpecError
-from isolate.spec import Thaw
+from isolate.spec.thaw import Thaw
 
-__all__ = ["Phases", "Plateau", "Shaper", "default_schedule", "main", "ramp", "to_yaml"]
+__all__ = ["Clock", "Phases", "Plateau", "Shaper", "ramp"]
 
 Clock = Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
 """Returns (where training is now, where it was at the thaw): ``{"epoch", "global_step"}``."""
@@ -243,136 +236,3 @@ class Phases:
         for name, entry in checked["plateaus"].items():
             self.plateaus[name].load_state_dict(entry)
         self.fired = list(checked["fired"])
-
-
-def _blocks(model: nn.Module) -> tuple[str, list[str]]:
-    """The top-level blocks holding parameters, below any single-child wrappers."""
-    prefix = ""
-    module = model
-    while True:
-        children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
-        if len(children) == 1 and not any(True for _ in module.parameters(recurse=False)):
-            prefix += children[0][0] + "."
-            module = children[0][1]
-            continue
-        return prefix, [prefix + n for n, _ in children]
-
-
-def default_schedule(
-    model: nn.Module, *, monitor: str | None = "val_loss", patience: int = 3
-) -> dict[str, Any]:
-    """A starting schedule for ``model``: the last top-level block (the head) trains, every
-    other block is frozen and thawed one phase at a time, from the head backwards.
-
-    Args:
-        model: the model (a LightningModule is looked through to its single child holding
-            all parameters, if there is one).
-        monitor: the metric whose plateau ends each phase; ``None`` thaws one block per epoch.
-        patience: checks without improvement that end a phase.
-
-    Returns:
-        A mapping for :meth:`isolate.IsolationSpec.from_dict` (the same keys as the callback's
-        ``init_args``).
-
-    Raises:
-        SpecError: the model has fewer than two top-level blocks holding parameters.
-
-    >>> net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 1))
-    >>> default_schedule(net, monitor=None)["thaw"]
-    [{'select': '2', 'epoch': 1}, {'select': '0', 'epoch': 2}]
-    """
-    prefix, blocks = _blocks(model)
-    if len(blocks) < 2:
-        raise SpecError(
-            f"default_schedule(): {type(model).__name__} has {len(blocks)} top-level block(s) "
-            f"with parameters under {prefix or 'the root'!r}; a phased schedule needs a head and "
-            f"at least one block before it. Write the schedule by hand"
-        )
-    *body, _head = blocks
-    thaw: list[dict[str, Any]] = []
-    for i, name in enumerate(reversed(body), start=1):
-        step: dict[str, Any] = {"select": name}
-        if monitor is None:
-            step["epoch"] = i
-        else:
-            step.update(monitor=monitor, patience=patience)
-        thaw.append(step)
-    return {"freeze": list(body), "thaw": thaw}
-
-
-def to_yaml(schedule: Mapping[str, Any], header: str = "") -> str:
-    """A schedule mapping as YAML, one thaw step per line (plain data only, no PyYAML needed).
-
-    >>> print(to_yaml({"freeze": ["a"], "thaw": [{"select": "a", "epoch": 1, "lr": 1e-5}]}), end="")
-    freeze: [a]
-    thaw:
-      - {select: a, epoch: 1, lr: 1.0e-05}
-    """
-
-    def scalar(value: object) -> str:
-        if isinstance(value, str):
-            plain = value and value[0] not in "!&*[]{}#|>'\"%@`-?:," and ": " not in value
-            return value if plain else '"' + value.replace('"', '\\"') + '"'
-        if value is None:
-            return "null"
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, (list, tuple)):
-            return "[" + ", ".join(scalar(v) for v in value) + "]"
-        if isinstance(value, float):
-            if not math.isfinite(value):
-                return {"inf": ".inf", "-inf": "-.inf"}.get(repr(value), ".nan")
-            mantissa, e, exponent = repr(value).partition("e")
-            if e and "." not in mantissa:  # PyYAML reads 1e-05 as a string, 1.0e-05 as a float
-                return f"{mantissa}.0e{exponent}"
-        return repr(value)
-
-    lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    for key, value in schedule.items():
-        if key == "thaw":
-            lines.append("thaw:")
-            for step in value:
-                items = ", ".join(f"{k}: {scalar(v)}" for k, v in step.items())
-                lines.append(f"  - {{{items}}}")
-        elif isinstance(value, list):
-            lines.append(f"{key}: [{', '.join(scalar(v) for v in value)}]")
-        else:
-            lines.append(f"{key}: {scalar(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m isolate.schedule package.module:build_model``: print a default schedule."""
-    parser = argparse.ArgumentParser(
-        prog="python -m isolate.schedule",
-        description="Print a default thaw schedule (YAML) for a model: the head trains, the "
-        "blocks before it thaw one phase at a time, from the head backwards. Edit it, then "
-        "use it as the init_args of isolate.lightning.IsolationCallback or with "
-        "IsolationSpec.from_dict(yaml.safe_load(...)).",
-    )
-    parser.add_argument("factory", help="module:callable that returns the model (no arguments)")
-    parser.add_argument("--monitor", default="val_loss", help="metric ending each phase")
-    parser.add_argument("--patience", type=int, default=3)
-    parser.add_argument("--by-epoch", action="store_true", help="one phase per epoch instead")
-    args = parser.parse_args(argv)
-    module_name, _, attribute = args.factory.partition(":")
-    if not attribute:
-        parser.error(f"expected module:callable, got {args.factory!r}")
-    factory = getattr(importlib.import_module(module_name), attribute)
-    model = factory() if not isinstance(factory, nn.Module) else factory
-    schedule = default_schedule(
-        model, monitor=None if args.by_epoch else args.monitor, patience=args.patience
-    )
-    header = (
-        f"Default isolate schedule for {args.factory} ({type(model).__name__}).\n"
-        "Phase 0 trains what is not frozen (the head); each thaw step is one more phase.\n"
-        "Per step: epoch/step (a fixed time), or monitor/patience/min_delta/mode (a plateau;\n"
-        "epoch/step then is the latest), lr, warmup_ratio + warmup_steps|warmup_epochs,\n"
-        "warmup_shape, align. Selectors: names, globs, 'type:<Class>', '!' exclusions."
-    )
-    sys.stdout.write(to_yaml(schedule, header))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from isolate import errors
 from isolate.errors import IsolationError, RankDivergenceError
 from isolate.fingerprints import fingerprint
-from isolate.plan import shown
+from isolate.spec.plan import shown
 
 __all__ = ["check_ranks", "replica_key", "world_size"]
 

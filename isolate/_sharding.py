@@ -30,7 +30,6 @@ __all__ = [
     "canonical_parameters",
     "check_leaves",
     "check_wrappers",
-    "graph_inputs",
     "is_flat_parameter",
     "roots_of",
     "settle",
@@ -46,7 +45,7 @@ _FAMILY = ("sharded_param", "_unsharded_param", "_sharded_post_forward_param")
 
 
 class _Found(Protocol):
-    """What a graph walk found (``isolate.graph._Walk``), as far as this module needs."""
+    """What a graph walk found (``isolate.reachability._Walk``), as far as this module needs."""
 
     leaves: dict[int, torch.Tensor]
     consumers: dict[int, list[Any]]
@@ -336,40 +335,6 @@ def roots_of(protected: object, model: nn.Module | None) -> list[nn.Module]:
     if isinstance(protected, (list, tuple)):
         return [m for m in protected if isinstance(m, nn.Module)]
     return []
-
-
-def graph_inputs(
-    losses: Sequence[torch.Tensor],
-    roots: Sequence[nn.Module],
-    params: Sequence[T],
-    caller: str,
-) -> list[T]:
-    """The tensors to differentiate ``losses`` with respect to, one per parameter of
-    ``params``: its FSDP2 unsharded temporary where it has one, else the parameter.
-
-    Walks the losses' graphs first (far cheaper than the gradients) and refuses, like
-    :func:`check_leaves`, leaves that stand for parameters but cannot be mapped; without
-    that, ``autograd.grad(..., allow_unused=True)`` would return ``None`` for every sharded
-    parameter, and a report would read "not reached" where the loss does reach.
-
-    Raises:
-        ShardedGraphError: as :func:`check_leaves`.
-    """
-    from isolate.graph import walk
-
-    view = sharded_view(roots, caller)
-    flat_model = any(is_flat_parameter(p) for r in roots for p in r.parameters())
-    outputs = [t for t in losses if t.requires_grad]
-    if outputs:
-        check_leaves(walk(outputs, caller, warn=False), roots, caller, view=view, tensors=params)
-    if flat_model:
-        raise ShardedGraphError(
-            f"{caller}: the model holds FSDP1 FlatParameters (FullyShardedDataParallel): the "
-            f"gradient of one parameter is a slice of a flat gradient that autograd cannot "
-            f"return alone; compute the report on the model before wrapping it, or shard it "
-            f"with fully_shard (FSDP2)"
-        )
-    return [view.leaf(p) for p in params]
 
 
 def _names(names: Sequence[str]) -> str:

@@ -14,10 +14,11 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from isolate import schedulers as lr_schedulers
+import isolate.spec.lr_schedulers as lr_schedulers
 from isolate.errors import IsolationTypeError, SpecError
-from isolate.plan import Group, Plan, shown
-from isolate.schedule import Clock, Shaper
+from isolate.exposure import unwrap_optimizer, zero_grad_risks
+from isolate.spec.clock import Clock, Shaper
+from isolate.spec.plan import Group, Plan, shown
 
 __all__ = [
     "OptimizerLink",
@@ -61,26 +62,21 @@ def as_optimizers(obj: object, caller: str) -> list[torch.optim.Optimizer]:
     items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
     out = []
     for item in items:
-        inner = getattr(item, "optimizer", item)
-        if not isinstance(inner, torch.optim.Optimizer):
+        try:
+            out.append(unwrap_optimizer(item, caller))
+        except IsolationTypeError:
             raise IsolationTypeError(
                 f"{caller}: optimizer must be a torch.optim.Optimizer (or a list of them), got "
                 f"{type(item).__name__}"
-            )
-        out.append(inner)
+            ) from None
     return out
 
 
-def risk(group: Mapping[str, Any]) -> str:
-    """What in a param group can move a parameter whose gradient is zero."""
-    risks = []
-    if group.get("weight_decay"):
-        risks.append(f"weight_decay={group['weight_decay']}")
-    if group.get("momentum"):
-        risks.append(f"momentum={group['momentum']}")
-    if "betas" in group:
-        risks.append(f"betas={tuple(group['betas'])}")
-    return ", ".join(risks) if risks else "no weight decay or momentum"
+def risk(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> str:
+    """Why a zero gradient would move ``param`` in ``group`` (the rule of
+    :func:`isolate.exposure.zero_grad_risks`), as text."""
+    reasons = zero_grad_risks(optimizer.param_groups[group], optimizer.state.get(param, {}))
+    return "; ".join(reasons) if reasons else "no weight decay or optimizer state moves it now"
 
 
 def find(ids: Mapping[int, str], optimizers: Sequence[torch.optim.Optimizer]) -> list[Slot]:
@@ -121,7 +117,7 @@ def place(
     if frozen and plan.spec.frozen_in_optimizer == "error":
         lines = [
             f"  {ours[id(s.param)]}: optimizer {s.opt}, param group {s.group} "
-            f"({risk(optimizers[s.opt].param_groups[s.group])})"
+            f"({risk(optimizers[s.opt], s.group, s.param)})"
             for s in frozen[:8]
         ]
         raise SpecError(
@@ -228,11 +224,11 @@ def add_group(
     Every scheduler of ``opt`` schedules the new group like the group ``source`` (the one the
     parameters came from; group 0 when ``None``). The group joins where the schedule is: its
     lr is its base lr (``initial_lr``, else ``lr``) times the reference group's progress
-    (:func:`isolate.schedulers.current_lr`). ``base_lrs`` gets the base lr, ``LambdaLR`` /
+    (:func:`isolate.spec.lr_schedulers.current_lr`). ``base_lrs`` gets the base lr, ``LambdaLR`` /
     ``MultiplicativeLR`` the source's lambda,
     ``CyclicLR`` / ``OneCycleLR`` the source's bounds scaled to the new base lr,
     ``ReduceLROnPlateau`` the source's ``min_lr``. A scheduler it cannot extend is refused
-    before the group is added (see :mod:`isolate.schedulers`).
+    before the group is added (see :mod:`isolate.spec.lr_schedulers`).
 
     Returns:
         The new param group.
@@ -318,11 +314,13 @@ class OptimizerLink:
 
     def _warn_removed(self, plan: Plan, exposed: Sequence[Slot]) -> None:
         by_group: dict[tuple[int, int], list[str]] = {}
+        first: dict[tuple[int, int], torch.Tensor] = {}
         for s in exposed:
             by_group.setdefault((s.opt, s.group), []).append(plan.names.name(s.param))
+            first.setdefault((s.opt, s.group), s.param)
         lines = [
             f"  optimizer {oi}, param group {gi} "
-            f"({risk(self.optimizers[oi].param_groups[gi])}): {shown(names)}"
+            f"({risk(self.optimizers[oi], gi, first[(oi, gi)])}): {shown(names)}"
             for (oi, gi), names in by_group.items()
         ]
         self.warn(
@@ -339,7 +337,10 @@ class OptimizerLink:
             return None
         index = self.placements[g.name].optimizer_idx
         if optimizer is not None:
-            inner = getattr(optimizer, "optimizer", optimizer)
+            try:
+                inner: object = unwrap_optimizer(optimizer, self.caller)
+            except IsolationTypeError:
+                inner = optimizer  # an index, or not an optimizer: refused below
             found = [i for i, o in enumerate(self.optimizers) if o is inner]
             index = optimizer if isinstance(optimizer, int) else (found[0] if found else -1)
             if not 0 <= index < len(self.optimizers):

@@ -2,7 +2,7 @@
 
 A thaw flips its group's flags through a :class:`~isolate.freezing.FreezeHandle` built from
 the plan's resolved parameters (no selector is resolved again) and joins the group to its
-optimizer through the :class:`~isolate.optimizers.OptimizerLink`, by identity, once.
+optimizer through the :class:`~isolate.spec.optimizers.OptimizerLink`, by identity, once.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 from torch import nn
 
+from isolate._sharding import settle
 from isolate.errors import CheckpointMismatchError, SpecError
 from isolate.freezing import FreezeHandle
-from isolate.optimizers import OptimizerLink
-from isolate.plan import Plan, shown
-from isolate.schedule import Phases
-from isolate.sharding import settle
+from isolate.spec.clock import Phases
+from isolate.spec.optimizers import OptimizerLink
+from isolate.spec.plan import Plan, shown
 
 __all__ = ["Thaws"]
 

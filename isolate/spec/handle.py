@@ -14,25 +14,25 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from isolate.branches import Branches
-from isolate.checks import (
-    DriftWatch,
-    Verification,
-    run_checks,
-)
+from isolate._sharding import check_wrappers, settle
 from isolate.errors import (
     IsolationTypeError,
     IsolationWarning,
     SpecError,
 )
 from isolate.freezing import FreezeHandle
-from isolate.optimizers import OptimizerLink, Optimizers, as_optimizers, place
-from isolate.plan import Plan, resolve
-from isolate.schedule import Clock
-from isolate.sharding import check_wrappers, settle
-from isolate.spec import IsolationSpec
-from isolate.state import check_state, saved_state
-from isolate.thawing import Thaws
+from isolate.spec.branches import Branches
+from isolate.spec.checks import (
+    DriftWatch,
+    Verification,
+    run_checks,
+)
+from isolate.spec.clock import Clock
+from isolate.spec.data import SpecData
+from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers, place
+from isolate.spec.plan import Plan, resolve
+from isolate.spec.state import check_state, saved_state
+from isolate.spec.thawing import Thaws
 
 __all__ = ["CHECKS", "IsolationHandle", "Optimizers"]
 
@@ -59,7 +59,7 @@ class IsolationHandle:
         they came from and removes the groups thawing added; optimizer state of thawed
         parameters stays in ``optimizer.state``.
 
-    >>> from isolate.spec import Thaw
+    >>> from isolate.spec import IsolationSpec, Thaw
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> spec = IsolationSpec(freeze=["0"], thaw=[Thaw("0", epoch=1)])
@@ -93,7 +93,7 @@ class IsolationHandle:
     @classmethod
     def apply(
         cls,
-        spec: IsolationSpec,
+        spec: SpecData,
         model: nn.Module,
         optimizer: Optimizers = None,
         *,
@@ -102,7 +102,7 @@ class IsolationHandle:
         drift: Literal["fingerprint", "copy"] = "fingerprint",
     ) -> IsolationHandle:
         """Resolve ``spec`` on ``model``, check it whole, then change (``IsolationSpec.apply``)."""
-        if not isinstance(spec, IsolationSpec):
+        if not isinstance(spec, SpecData):
             raise IsolationTypeError(f"{caller}: spec must be an IsolationSpec, got {type(spec)}")
         settle(model)  # FSDP2: resolve and flip the sharded parameters, not temporaries
         check_wrappers(model, {}, caller, warn)  # FSDP1 flat parameters: refuse first
@@ -294,7 +294,7 @@ class IsolationHandle:
                 :meth:`step`).
 
         Returns:
-            A :class:`~isolate.checks.Verification` saying what was checked.
+            A :class:`~isolate.spec.checks.Verification` saying what was checked.
 
         Raises:
             GradientLeakError, CutOffError, DriftError, RankDivergenceError: a violation.

@@ -17,10 +17,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from isolate._selectors import describe, is_float, select
+from isolate._sharding import sharded_view
 from isolate._wrapping import Wrapper
 from isolate.errors import IsolationTypeError, SelectorError, SpecError, WrappingError
-from isolate.sharding import sharded_view
-from isolate.spec import IsolationSpec, Thaw
+from isolate.spec.data import SpecData
+from isolate.spec.thaw import Thaw
 
 __all__ = ["Group", "Names", "Plan", "Wrap", "resolve", "shown"]
 
@@ -105,7 +106,7 @@ class Group:
 class Plan:
     """What a spec means for one model; nothing in the model has changed yet."""
 
-    spec: IsolationSpec
+    spec: SpecData
     model: nn.Module
     names: Names
     frozen: dict[str, nn.Parameter]
@@ -173,7 +174,7 @@ class Plan:
         }
 
 
-def resolve(spec: IsolationSpec, model: nn.Module, caller: str = "IsolationSpec") -> Plan:
+def resolve(spec: SpecData, model: nn.Module, caller: str = "IsolationSpec") -> Plan:
     """Resolve every selector of ``spec`` against ``model`` once; change nothing.
 
     Raises:
@@ -204,7 +205,7 @@ def resolve(spec: IsolationSpec, model: nn.Module, caller: str = "IsolationSpec"
     return Plan(spec, model, names, frozen, norms, wraps, groups, protect)
 
 
-def _wraps(spec: IsolationSpec, model: nn.Module, caller: str) -> list[Wrap]:
+def _wraps(spec: SpecData, model: nn.Module, caller: str) -> list[Wrap]:
     aliases: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         aliases.setdefault(id(module), []).append(name)
@@ -242,7 +243,7 @@ def _wraps(spec: IsolationSpec, model: nn.Module, caller: str) -> list[Wrap]:
 
 
 def _groups(
-    spec: IsolationSpec,
+    spec: SpecData,
     model: nn.Module,
     names: Names,
     frozen: dict[str, nn.Parameter],

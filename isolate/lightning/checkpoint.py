@@ -8,9 +8,9 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 
-from isolate.engine import IsolationHandle
 from isolate.errors import CheckpointMismatchError, IsolationError
-from isolate.state import check_state
+from isolate.spec.handle import IsolationHandle
+from isolate.spec.state import check_state
 
 _NO_STATE = (
     "IsolationCallback: the checkpoint holds no IsolationCallback state: it was written "

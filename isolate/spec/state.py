@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from isolate.errors import CheckpointMismatchError, IsolationTypeError
-from isolate.plan import Plan, shown
+from isolate.spec.plan import Plan, shown
 
 __all__ = ["FORMAT", "check_state", "plain", "saved_state"]
 
@@ -58,7 +58,7 @@ def saved_state(
             "frozen": list(frozen),
             "thawed": [{"name": n, **at} for n, at in thawed.items()],
             "phases": phases,
-            "layout": [  # param names by group, to rewrite optimizer states (isolate.leave)
+            "layout": [  # param names by group, to rewrite optimizer states (isolate.interop.leave)
                 [[plan.names.name(p) for p in g["params"]] for g in opt.param_groups]
                 for opt in optimizers
             ],

@@ -1,7 +1,8 @@
 """Isolation the other way round: the trainable parameters that no loss reaches.
 
 :func:`cut_off_parameters` walks the same autograd graph as
-:func:`isolate.reachable_parameters` and names every trainable parameter that no given loss
+:func:`isolate.reachability.reachable_parameters` and names every trainable parameter that no
+given loss
 can send gradient to, with the reason where it can be told; :func:`assert_reached` turns that
 into an assertion. Run the forward inside :func:`trace_forward` to learn *why* a parameter is
 cut off (its module did not run, ran under ``no_grad``, ran inside a reentrant checkpoint
@@ -23,10 +24,10 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
+from isolate._autograd import Losses, Walk, check_losses, walk
 from isolate._selectors import Selector, check_module, select
+from isolate._sharding import check_leaves
 from isolate.errors import BlindSpotError, CutOffError, IsolationTypeError
-from isolate.graph import Losses, _Walk, check_losses, walk
-from isolate.sharding import check_leaves
 
 __all__ = ["CutOff", "ForwardTrace", "assert_reached", "cut_off_parameters", "trace_forward"]
 
@@ -56,7 +57,7 @@ class _Call:
     checkpoint_inputs_grad: bool = False
     outputs: list[Node | torch.Tensor] = field(default_factory=list)
 
-    def reaches(self, found: _Walk) -> bool:
+    def reaches(self, found: Walk) -> bool:
         return any(
             (o in found.parent) if isinstance(o, Node) else (id(o) in found.leaves)
             for o in self.outputs
@@ -259,7 +260,7 @@ def _shown(name: str, module: nn.Module) -> str:
 _GENERIC = (
     "no path from any loss in the autograd graph (its module did not run, ran under "
     "no_grad or inside a reentrant checkpoint whose inputs do not require grad, or its "
-    "output was detached); run the forward inside isolate.trace_forward(model) and pass "
+    "output was detached); run the forward inside isolate.cutoff.trace_forward(model) and pass "
     "trace= to be told which"
 )
 
@@ -267,7 +268,7 @@ _GENERIC = (
 def _diagnose(
     owners: list[tuple[str, nn.Module]],
     trace: ForwardTrace | None,
-    found: _Walk,
+    found: Walk,
     entries: list[tuple[int, str]],
 ) -> str:
     """Why the parameters held by ``owners`` are cut off, as far as the trace tells."""
@@ -338,7 +339,7 @@ def _cut_off(
     check_module(model, caller)
     if trace is not None and not isinstance(trace, ForwardTrace):
         raise IsolationTypeError(
-            f"{caller}: trace must be the ForwardTrace of isolate.trace_forward(model), got "
+            f"{caller}: trace must be the ForwardTrace of isolate.cutoff.trace_forward(model), got "
             f"{type(trace).__name__}"
         )
     excused = _check_expected(model, expected_unused, caller)
@@ -391,7 +392,8 @@ def cut_off_parameters(
 ) -> CutOff:
     """The trainable parameters of ``model`` that no loss can send gradient to, and why.
 
-    The dual of :func:`isolate.reachable_parameters`, from the same walk of the autograd
+    The dual of :func:`isolate.reachability.reachable_parameters`, from the same walk of the
+    autograd
     graph (no backward pass, the graph stays intact): a trainable parameter that no loss
     reaches will keep its value, however training looks.
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from isolate.errors import CheckpointMismatchError
-from isolate.plan import Names
+from isolate.spec.plan import Names
 
 __all__ = ["CALLBACK_KEY", "plain_checkpoint", "plain_optimizer_state"]
 

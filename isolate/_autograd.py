@@ -1,0 +1,210 @@
+"""The walk of an autograd graph every audit shares: one queue, each node and edge once.
+
+Nothing is computed and nothing is freed: the graph stays intact for the real backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+
+from isolate._sharding import check_leaves, is_flat_parameter, sharded_view
+from isolate.errors import IsolationTypeError, IsolationWarning, ShardedGraphError
+
+__all__ = ["Losses", "Walk", "check_losses", "graph_inputs", "node_name", "walk"]
+
+T = TypeVar("T", bound=torch.Tensor)
+
+Losses = torch.Tensor | Sequence[torch.Tensor]
+"""One output tensor, or several (a list or tuple of tensors)."""
+
+# Backward nodes that only change a tensor's layout: when naming the operation that connects
+# a parameter to the loss, these are looked through (``weight.t()`` feeds ``addmm``).
+_LAYOUT_OPS = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "SelectBackward0",
+        "SliceBackward0",
+        "AsStridedBackward0",
+        "AliasBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+        "UnbindBackward0",
+        "SplitBackward0",
+        "SplitWithSizesBackward0",
+    }
+)
+
+# Nodes that use parameters the graph does not show: the reentrant checkpoint re-runs its
+# function in backward, so whatever that function touches is invisible to the walk.
+_OPAQUE_OPS = frozenset({"CheckpointFunctionBackward"})
+
+
+def node_name(node: Node) -> str:
+    return node.name().removeprefix("torch::autograd::")
+
+
+@dataclass
+class Walk:
+    """What one walk of an autograd graph found, keyed on tensor identity."""
+
+    # id(leaf tensor) -> the leaf; leaves that are outputs themselves have no node.
+    leaves: dict[int, torch.Tensor] = field(default_factory=dict)
+    # id(leaf tensor) -> the nodes that feed gradient into its AccumulateGrad node.
+    consumers: dict[int, list[Node]] = field(default_factory=dict)
+    # every node seen -> the node it was first reached from (None for the outputs' own nodes).
+    # Holding the node objects also keeps their Python wrappers alive, so identity is stable.
+    parent: dict[Node, Node | None] = field(default_factory=dict)
+    opaque: list[str] = field(default_factory=list)
+
+    def path(self, node: Node) -> list[str]:
+        """Node names from an output down to ``node`` along the first-found route."""
+        names: list[str] = []
+        cur: Node | None = node
+        while cur is not None:
+            names.append(node_name(cur))
+            cur = self.parent[cur]
+        return names[::-1]
+
+    def connecting_ops(self, tensor: torch.Tensor) -> list[str]:
+        """The operations that consume ``tensor``, looking through layout-only nodes."""
+        ops: list[str] = []
+        for consumer in self.consumers.get(id(tensor), []):
+            through: list[str] = []
+            cur: Node | None = consumer
+            while cur is not None and node_name(cur) in _LAYOUT_OPS:
+                through.append(node_name(cur))
+                cur = self.parent[cur]
+            if cur is None:
+                text = " <- ".join(through)
+            elif through:
+                text = f"{node_name(cur)} (through {' <- '.join(through)})"
+            else:
+                text = node_name(cur)
+            if text not in ops:
+                ops.append(text)
+        return ops
+
+
+def _accumulated(node: Node) -> torch.Tensor | None:
+    """The leaf an ``AccumulateGrad`` node writes to; ``None`` for every other node.
+
+    Checked by name, not by a ``variable`` attribute alone: the node of a custom
+    ``autograd.Function`` is its ``ctx``, where user code may store anything under any name.
+    """
+    if node.name() != "torch::autograd::AccumulateGrad":
+        return None
+    variable = getattr(node, "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
+
+
+def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
+    if isinstance(losses, torch.Tensor):
+        return [losses]
+    if isinstance(losses, Sequence) and not isinstance(losses, str):
+        bad = [(i, type(t).__name__) for i, t in enumerate(losses) if not torch.is_tensor(t)]
+        if not bad:
+            return list(losses)
+        raise IsolationTypeError(
+            f"{caller}: every output must be a torch.Tensor; got {bad[0][1]} at index "
+            f"{bad[0][0]}; pass the loss tensor itself (not loss.item())"
+        )
+    raise IsolationTypeError(
+        f"{caller}: loss must be a torch.Tensor or a sequence of tensors, got "
+        f"{type(losses).__name__}; pass the loss tensor itself (not loss.item())"
+    )
+
+
+def walk(outputs: Sequence[torch.Tensor], caller: str, *, warn: bool = True) -> Walk:
+    """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
+
+    Breadth-first rather than depth-first: the cost is the same (each node and edge once),
+    and the first route recorded to each node is a shortest one, which is the route a leak
+    message should show. ``warn=False`` leaves the opaque nodes to the caller, which must
+    then act on ``found.opaque`` itself.
+    """
+    found = Walk()
+    queue: deque[Node] = deque()
+    for out in outputs:
+        if out.grad_fn is not None:
+            if out.grad_fn not in found.parent:
+                found.parent[out.grad_fn] = None
+                queue.append(out.grad_fn)
+        elif out.requires_grad:  # a leaf that is its own output reaches itself
+            found.leaves[id(out)] = out
+    while queue:
+        node = queue.popleft()
+        variable = _accumulated(node)
+        if variable is not None:  # the end of a path
+            found.leaves[id(variable)] = variable
+            continue
+        if node_name(node) in _OPAQUE_OPS:
+            found.opaque.append(node_name(node))
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            leaf = _accumulated(child)
+            if leaf is not None:
+                found.consumers.setdefault(id(leaf), []).append(node)
+            if child not in found.parent:
+                found.parent[child] = node
+                queue.append(child)
+    if found.opaque and warn:
+        warnings.warn(
+            f"{caller}: the graph holds {sorted(set(found.opaque))}, which re-runs code in "
+            f"backward; parameters used only inside it are invisible to the graph found. "
+            f"Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) to make them "
+            f"visible",
+            IsolationWarning,
+            stacklevel=3,
+        )
+    return found
+
+
+def graph_inputs(
+    losses: Sequence[torch.Tensor],
+    roots: Sequence[nn.Module],
+    params: Sequence[T],
+    caller: str,
+) -> list[T]:
+    """The tensors to differentiate ``losses`` with respect to, one per parameter of
+    ``params``: its FSDP2 unsharded temporary where it has one, else the parameter.
+
+    Walks the losses' graphs first (far cheaper than the gradients) and refuses, like
+    :func:`check_leaves`, leaves that stand for parameters but cannot be mapped; without
+    that, ``autograd.grad(..., allow_unused=True)`` would return ``None`` for every sharded
+    parameter, and a report would read "not reached" where the loss does reach.
+
+    Raises:
+        ShardedGraphError: as :func:`check_leaves`.
+    """
+    view = sharded_view(roots, caller)
+    flat_model = any(is_flat_parameter(p) for r in roots for p in r.parameters())
+    outputs = [t for t in losses if t.requires_grad]
+    if outputs:
+        check_leaves(walk(outputs, caller, warn=False), roots, caller, view=view, tensors=params)
+    if flat_model:
+        raise ShardedGraphError(
+            f"{caller}: the model holds FSDP1 FlatParameters (FullyShardedDataParallel): the "
+            f"gradient of one parameter is a slice of a flat gradient that autograd cannot "
+            f"return alone; compute the report on the model before wrapping it, or shard it "
+            f"with fully_shard (FSDP2)"
+        )
+    return [view.leaf(p) for p in params]

@@ -1,0 +1,154 @@
+"""What an optimizer does to a parameter that must not move: the one rule, and its audit.
+
+:func:`zero_grad_risks` is the rule: what in a param group and a parameter's optimizer state
+moves the parameter on ``step()`` when its gradient is zero. :func:`optimizer_exposure` applies
+it to every frozen parameter an optimizer still holds; the spec engine applies it when it
+takes frozen parameters out of an optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from isolate.errors import IsolationTypeError
+
+__all__ = ["Exposure", "optimizer_exposure", "unwrap_optimizer", "zero_grad_risks"]
+
+_MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
+
+
+def zero_grad_risks(group: Mapping[str, Any], state: Mapping[str, Any]) -> tuple[str, ...]:
+    """Why ``step()`` moves a parameter of ``group`` whose gradient is zero, given its
+    optimizer ``state``; empty when a zero gradient leaves it alone.
+
+    >>> zero_grad_risks({"lr": 0.1, "weight_decay": 0.01}, {})
+    ('weight_decay=0.01 shrinks it on every step',)
+    >>> zero_grad_risks({"lr": 0.1, "momentum": 0.9}, {})
+    ()
+    """
+    reasons = []
+    decay = group.get("weight_decay", 0.0)
+    if decay:
+        reasons.append(f"weight_decay={decay} shrinks it on every step")
+    if group.get("lambd"):  # ASGD decays every parameter it steps, weight decay or not
+        reasons.append(f"lambd={group['lambd']} (ASGD) shrinks it on every step")
+    for key in _MOMENTUM_STATE:
+        value = state.get(key)
+        if isinstance(value, torch.Tensor) and bool(value.ne(0).any()):
+            reasons.append(f"optimizer state {key!r} is non-zero and keeps moving it")
+    return tuple(reasons)
+
+
+def unwrap_optimizer(optimizer: object, caller: str) -> torch.optim.Optimizer:
+    """``optimizer`` itself, or the optimizer a wrapper holds in ``.optimizer`` (Lightning's
+    ``LightningOptimizer``, Fabric's ``_FabricOptimizer``).
+
+    Raises:
+        IsolationTypeError: neither is a ``torch.optim.Optimizer``.
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
+        inner, torch.optim.Optimizer
+    ):
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise IsolationTypeError(
+            f"{caller}: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; pass the optimizer itself (trainer.optimizers[0])"
+        )
+    return optimizer
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """A frozen parameter that an optimizer still holds.
+
+    Attributes:
+        name: its qualified name in the model, or ``"param_groups[g][i]"`` without a model.
+        group: the index of the optimizer's param group that holds it.
+        index: its position in that group's ``"params"``.
+        grad: ``"none"``, ``"zero"`` or ``"nonzero"``: what its ``.grad`` holds now.
+        reasons: why a zero ``.grad`` would still move it (weight decay, momentum or Adam
+            state); empty when a zero grad would leave it alone.
+    """
+
+    name: str
+    group: int
+    index: int
+    grad: Literal["none", "zero", "nonzero"]
+    reasons: tuple[str, ...]
+
+    @property
+    def at_risk(self) -> bool:
+        """Whether a zero ``.grad`` would move it on ``step()``."""
+        return bool(self.reasons)
+
+    @property
+    def moves_on_step(self) -> bool:
+        """Whether the next ``step()`` moves it, given its ``.grad`` now."""
+        return self.grad == "nonzero" or (self.grad == "zero" and self.at_risk)
+
+    def __str__(self) -> str:
+        why = "; ".join(self.reasons) if self.reasons else "harmless while .grad is None or zero"
+        return f"{self.name} (param group {self.group}, .grad {self.grad}): {why}"
+
+
+def optimizer_exposure(
+    optimizer: torch.optim.Optimizer, model: nn.Module | None = None
+) -> tuple[Exposure, ...]:
+    """The parameters with ``requires_grad=False`` that ``optimizer`` still holds, and why.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``, or a wrapper with an ``.optimizer``
+            attribute (Lightning's ``LightningOptimizer``).
+        model: the model, to name parameters by their qualified names.
+
+    Returns:
+        One :class:`Exposure` per frozen parameter held, in param-group order. Filter on
+        ``.at_risk`` (a zero grad would move it) or ``.moves_on_step`` (the next step will).
+
+    Raises:
+        IsolationTypeError: ``optimizer`` is not an optimizer, or ``model`` not a module.
+
+    Note:
+        Every built-in optimizer skips a parameter whose ``.grad`` is ``None``; the danger is a
+        zero-filled ``.grad`` (``zero_grad(set_to_none=False)``, or a grad left from before
+        the freeze), which weight decay, a momentum buffer or Adam's first moment turn into a
+        real step.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    >>> _ = model[0].requires_grad_(False)
+    >>> for exposure in optimizer_exposure(opt, model):
+    ...     print(exposure)
+    0.weight (param group 0, .grad none): weight_decay=0.0001 shrinks it on every step
+    0.bias (param group 0, .grad none): weight_decay=0.0001 shrinks it on every step
+    """
+    caller = "optimizer_exposure()"
+    optimizer = unwrap_optimizer(optimizer, caller)
+    names: dict[int, str] = {}
+    if model is not None:
+        if not isinstance(model, nn.Module):
+            raise IsolationTypeError(
+                f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+    found: list[Exposure] = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.requires_grad:
+                continue
+            reasons = zero_grad_risks(group, optimizer.state.get(p, {}))
+            if p.grad is None:
+                grad: Literal["none", "zero", "nonzero"] = "none"
+            else:
+                grad = "nonzero" if bool(p.grad.ne(0).any()) else "zero"
+            name = names.get(id(p), f"param_groups[{g}][{i}]")
+            found.append(Exposure(name, g, i, grad, tuple(reasons)))
+    return tuple(found)

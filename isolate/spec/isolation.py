@@ -1,0 +1,114 @@
+"""The user's spec: :class:`~isolate.spec.data.SpecData` with the verbs that apply it.
+
+:meth:`IsolationSpec.apply` makes the spec real on a model and returns an
+:class:`~isolate.spec.handle.IsolationHandle` that thaws, verifies, saves and undoes it. The
+same spec drives a plain PyTorch loop, Lightning Fabric, and the Lightning callback
+(:class:`isolate.lightning.IsolationCallback`), which is a thin adapter over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Literal
+
+from torch import nn
+
+from isolate.spec.data import SpecData
+from isolate.spec.handle import IsolationHandle
+from isolate.spec.optimizers import Optimizers
+
+__all__ = ["IsolationSpec"]
+
+
+class IsolationSpec(SpecData):
+    """What must not learn from what, as data: validated when built, applied to a model.
+
+    Args:
+        freeze: parameters to freeze: module names (``"trunk"``), parameter names or globs
+            over them (``"trunk.*"``, ``"*.bias"``).
+        detach: names of submodules to feed detached inputs (:class:`isolate.Detached`): they
+            learn from their own loss, nothing upstream of them does.
+        clone: names of submodules to feed cloned inputs (:class:`isolate.Cloned`): gradient
+            still flows back, in-place edits stay inside.
+        bn: BatchNorm layers among the frozen parameters: ``"eval"`` holds them in eval mode,
+            through ``model.train()``, so their running statistics do not move; ``"train"``
+            lets them update.
+        thaw: the unfreezing schedule: :class:`Thaw` steps, or mappings with their keys.
+        protect: loss name -> selectors of the parameters that loss must not reach. ``None``
+            protects everything upstream of ``detach`` branches from every named loss.
+        frozen_in_optimizer: what to do with frozen parameters found in an optimizer, where
+            weight decay or momentum could move them: ``"remove"`` takes them out (with a
+            warning naming them; a thaw puts them back), ``"error"`` refuses.
+
+    Raises:
+        SpecError: an argument has the wrong type or value, a thaw name repeats, or a branch
+            is both detached and cloned.
+
+    >>> from isolate.spec import Thaw
+    >>> spec = IsolationSpec(freeze=["trunk"], detach=["probe"], thaw=[Thaw("trunk", epoch=2)])
+    >>> spec
+    IsolationSpec(freeze=['trunk'], detach=['probe'], thaw=[trunk at epoch 2])
+    >>> IsolationSpec.from_dict({"freeze": "trunk", "bn": "eval"}).freeze
+    ('trunk',)
+    >>> IsolationSpec.from_dict({"frezze": ["trunk"]})
+    Traceback (most recent call last):
+    ...
+    isolate.errors.SpecError: IsolationSpec.from_dict() has unknown keys ['frezze'] (did you ...
+    """
+
+    def apply(
+        self,
+        model: nn.Module,
+        optimizer: Optimizers = None,
+        *,
+        drift: Literal["fingerprint", "copy"] = "fingerprint",
+    ) -> IsolationHandle:
+        """Check the whole spec against ``model``, then freeze, hold and wrap.
+
+        Args:
+            model: the module to isolate.
+            optimizer: an optimizer (or a list of them) to take the frozen parameters out of,
+                and for thawed groups to join; it can also be attached later with
+                :meth:`~isolate.spec.handle.IsolationHandle.attach`.
+            drift: how ``verify`` checks that frozen tensors stay put: ``"fingerprint"``
+                keeps a 128-bit fingerprint of each (O(number of tensors) memory; any changed
+                bit is caught, its size is not known), ``"copy"`` a copy in host memory (the
+                size of a change is reported; costs the size of the frozen part).
+
+        Returns:
+            An :class:`~isolate.spec.handle.IsolationHandle`: ``thaw``, ``step``, ``verify``,
+            ``state_dict`` / ``load_state_dict`` and an exact ``restore``.
+
+        Raises:
+            SelectorError: a selector matches nothing, or a branch is not a submodule.
+            SpecError: the spec does not fit the model or the optimizer. On any error the
+                model (and the optimizer) are exactly as before.
+        """
+        return IsolationHandle.apply(self, model, optimizer, drift=drift)
+
+    @contextlib.contextmanager
+    def applied(
+        self,
+        model: nn.Module,
+        optimizer: Optimizers = None,
+        *,
+        drift: Literal["fingerprint", "copy"] = "fingerprint",
+    ) -> Iterator[IsolationHandle]:
+        """:meth:`apply` as a context manager: restored on exit, exceptions included.
+
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> with IsolationSpec(freeze=["0"]).applied(model) as handle:
+        ...     model[0].weight.requires_grad, handle.frozen
+        (False, ('0.weight', '0.bias'))
+        >>> model[0].weight.requires_grad
+        True
+        """
+        handle = self.apply(model, optimizer, drift=drift)
+        try:
+            yield handle
+        finally:
+            if handle.active:
+                handle.restore()
