@@ -11,6 +11,7 @@ from typing import TypeAlias, TypeGuard
 import torch
 from torch import nn
 
+from isolate._walker import Tree
 from isolate.errors import IsolationTypeError, SelectorError
 
 __all__ = [
@@ -86,45 +87,6 @@ def _check_glob(pattern: str, caller: str) -> None:
         )
 
 
-@dataclass
-class _Tree:
-    """One walk over a model: every parameter under every name it has, and every module."""
-
-    names: list[str]
-    params: list[nn.Parameter]
-    modules: list[tuple[str, nn.Module]]
-    ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.ids = list(map(id, self.params))
-
-    @classmethod
-    def of(cls, model: nn.Module) -> _Tree:
-        # A direct walk over ``_parameters`` / ``_modules``, in the order of
-        # ``named_parameters()``: several times faster, since the generator machinery of
-        # ``named_parameters()`` dominates on large models.
-        names: list[str] = []
-        params: list[nn.Parameter] = []
-        modules: list[tuple[str, nn.Module]] = []
-        stack: list[tuple[str, nn.Module]] = [("", model)]
-        while stack:
-            prefix, module = stack.pop()
-            modules.append((prefix, module))
-            base = prefix + "." if prefix else ""
-            for name, p in module._parameters.items():
-                if p is not None:
-                    names.append(base + name)
-                    params.append(p)
-            children = module._modules
-            if children:
-                stack.extend(
-                    (base + name, child)
-                    for name, child in reversed(children.items())
-                    if child is not None
-                )
-        return cls(names, params, modules)
-
-
 def _glob_match(patterns: list[str]) -> Callable[[str], object]:
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
 
@@ -140,7 +102,7 @@ def _is_glob(selector: object) -> bool:
 
 
 def _type_modules(
-    model: nn.Module, selector: str, tree: _Tree, caller: str
+    model: nn.Module, selector: str, tree: Tree, caller: str
 ) -> list[tuple[str, nn.Module]]:
     """The modules a ``"[<module>/]type:<Class>"`` selector names (the scope included)."""
     scope, _, pattern = selector.rpartition(_TYPE)
@@ -178,7 +140,7 @@ def _type_modules(
 
 
 def _match_one(
-    model: nn.Module, selector: Selector, tree: _Tree, module_ids: set[int], caller: str
+    model: nn.Module, selector: Selector, tree: Tree, module_ids: set[int], caller: str
 ) -> set[int]:
     """Ids of the parameters a non-glob ``selector`` picks (every alias of every parameter)."""
     pairs = zip(tree.names, tree.ids, strict=True)
@@ -196,7 +158,7 @@ def _match_one(
                 f"{caller}: the {type(selector).__name__} passed as a selector is not a "
                 f"submodule of {describe(model)}; pass one of its own modules or a name"
             )
-        return {id(p) for p in _Tree.of(selector).params}
+        return {id(p) for p in Tree.of(selector).params}
     if isinstance(selector, str):
         if not selector:
             raise SelectorError(f"{caller}: empty selector ''; use a module name or a glob")
@@ -204,7 +166,7 @@ def _match_one(
             return {
                 id(p)
                 for _, m in _type_modules(model, selector, tree, caller)
-                for p in _Tree.of(m).params
+                for p in Tree.of(m).params
             }
         inside = selector + "."  # a name; globs are matched in select(), all in one pass
         return {i for name, i in pairs if name == selector or name.startswith(inside)}
@@ -218,7 +180,7 @@ def _match_one(
 
 def _norms_covered(
     model: nn.Module,
-    tree: _Tree,
+    tree: Tree,
     selectors: tuple[Selector, ...],
     chosen: set[int],
     caller: str,
@@ -228,10 +190,10 @@ def _norms_covered(
     under: set[int] = set()
     for selector in selectors:
         if isinstance(selector, nn.Module):
-            under |= {id(m) for _, m in _Tree.of(selector).modules}
+            under |= {id(m) for _, m in Tree.of(selector).modules}
         elif _is_type(selector):
             for _, m in _type_modules(model, str(selector), tree, caller):
-                under |= {id(sub) for _, sub in _Tree.of(m).modules}
+                under |= {id(sub) for _, sub in Tree.of(m).modules}
     names = [s for s in selectors if isinstance(s, str) and not _is_type(s) and not _is_glob(s)]
     globs = [s for s in selectors if _is_glob(s)]
     glob = _glob_match([str(g) for g in globs]) if globs else None
@@ -254,9 +216,7 @@ def _norms_covered(
     return norms
 
 
-def _picked(
-    model: nn.Module, selectors: tuple[Selector, ...], tree: _Tree, caller: str
-) -> set[int]:
+def _picked(model: nn.Module, selectors: tuple[Selector, ...], tree: Tree, caller: str) -> set[int]:
     """Ids of what the (positive) ``selectors`` pick together; each must pick something."""
     module_ids = {id(m) for _, m in tree.modules}
     globs = [str(s) for s in selectors if _is_glob(s)]
@@ -319,7 +279,7 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
     ...
     isolate.errors.SelectorError: doc: the exclusion '!2' takes nothing out of ['0'] ...
     """
-    tree = _Tree.of(model)
+    tree = Tree.of(model)
     picking, excluded = _split(selectors, caller)
     chosen = _picked(model, picking, tree, caller) if picking else set(tree.ids)
     removed: set[int] = set()

@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 from torch import nn
 
+from isolate._text import shown
 from isolate.errors import ShardedGraphError, UnsupportedStrategyError
 
 __all__ = [
@@ -272,7 +273,7 @@ def check_leaves(
         fqns = [n for t in flat for n in getattr(t, "_fqns", ())]
         raise ShardedGraphError(
             f"{caller}: the graph's leaves include {len(flat)} FSDP1 FlatParameter(s), each "
-            f"holding many parameters in one flat tensor ({_names(fqns)}); the walk cannot "
+            f"holding many parameters in one flat tensor ({shown(fqns, limit=6)}); the walk cannot "
             f"tell which of them the loss reaches, so it refuses rather than answer for the "
             f"whole unit. Audit the model before wrapping it in FullyShardedDataParallel "
             f"(same forward, one process), or shard it with torch.distributed.fsdp."
@@ -294,8 +295,8 @@ def check_leaves(
         raise ShardedGraphError(
             f"{caller}: the graph's leaves are not the model's parameters: "
             f"{len(standing)} of them stand for parameters of "
-            f"{', '.join(type(r).__name__ for r in roots)} ({_names(standing)}) - a wrapper "
-            f"runs the forward on copies or views of them (sharding, flat buffers, "
+            f"{', '.join(type(r).__name__ for r in roots)} ({shown(standing, limit=6)}) - a "
+            f"wrapper runs the forward on copies or views of them (sharding, flat buffers, "
             f"offloading) - and the walk cannot map them back, so it refuses rather than "
             f"prove isolation vacuously. Audit the model without the wrapper, or shard it "
             f"with fully_shard (FSDP2), which isolate sees through"
@@ -337,12 +338,6 @@ def roots_of(protected: object, model: nn.Module | None) -> list[nn.Module]:
     return []
 
 
-def _names(names: Sequence[str]) -> str:
-    listed = list(names)
-    head = ", ".join(repr(n) for n in listed[:6])
-    return f"[{head}{f', ... and {len(listed) - 6} more' if len(listed) > 6 else ''}]"
-
-
 def _fsdp1_handles(model: nn.Module) -> Iterator[tuple[nn.Module, Any]]:
     if _FSDP2 not in sys.modules:
         return
@@ -380,7 +375,7 @@ def check_wrappers(
             raise UnsupportedStrategyError(
                 f"{caller}: the model holds FullyShardedDataParallel units built with "
                 f"use_orig_params=False ({type(unit).__name__} over "
-                f"{_names(list(getattr(flat, '_fqns', ())))}): each unit is one "
+                f"{shown(list(getattr(flat, '_fqns', ())), limit=6)}): each unit is one "
                 f"FlatParameter with a single requires_grad, so the spec cannot freeze part "
                 f"of it, and FSDP refuses units that mix frozen and trainable parameters "
                 f"(pytorch/pytorch#104690). Wrap with FullyShardedDataParallel(..., "
@@ -392,7 +387,7 @@ def check_wrappers(
     if mixed:
         warn(
             f"{caller}: FSDP1 units mix frozen and trainable parameters "
-            f"({_names(mixed)}); FSDP1 keeps one flat gradient per unit, so the frozen "
+            f"({shown(mixed, limit=6)}); FSDP1 keeps one flat gradient per unit, so the frozen "
             f"parameters' gradients are still computed and their memory is not saved. Wrap "
             f"frozen modules in units of their own (auto_wrap_policy, or nested "
             f"FullyShardedDataParallel), or shard with fully_shard (FSDP2), which keeps "

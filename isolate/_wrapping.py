@@ -32,6 +32,7 @@ class Wrapper(nn.Module):
     """
 
     module: nn.Module
+    isolate_passthrough = "module"  # the child state_dict keys leave out (_walker.PASSTHROUGH)
 
     def __init__(self, module: nn.Module) -> None:
         caller = f"{type(self).__name__}()"

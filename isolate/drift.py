@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from isolate._sharding import canonical_parameters
+from isolate._walker import Names
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
 from isolate.fingerprints import Print, fingerprint, fingerprints, fingerprints_as, local_tensor
 
@@ -108,10 +108,12 @@ class Snapshot:
         module: nn.Module | None,
         description: str,
         copies: bool,
+        device: torch.device | str | None = "cpu",
     ) -> None:
         self._entries = entries
         self._module = module
         self._description = description
+        self._device = device
         self.copies = copies
         self.names: tuple[str, ...] = tuple(e.name for e in entries)
 
@@ -129,14 +131,31 @@ class Snapshot:
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
+    @property
+    def kinds(self) -> dict[str, Literal["parameter", "buffer"]]:
+        """Name -> ``"parameter"`` or ``"buffer"``, for every name recorded."""
+        return {e.name: e.kind for e in self._entries}
+
+    def renewed(self) -> Snapshot:
+        """A snapshot of the same names, kept the same way, from their values now.
+
+        >>> model = nn.Linear(2, 1)
+        >>> snap = snapshot(model, copy=False)
+        >>> with torch.no_grad():
+        ...     _ = model.bias.add_(1.0)
+        >>> list(snap.changed()), snap.renewed().changed()
+        (['bias'], {})
+        """
+        if self._module is not None:
+            return snapshot(self._module, names=self.names, copy=self.copies, device=self._device)
+        live = {e.name: t for e in self._entries if (t := e.live()) is not None}
+        return snapshot(live, copy=self.copies, device=self._device)
+
     def _current(self) -> dict[str, torch.Tensor]:
         if self._module is None:
             return {e.name: t for e in self._entries if (t := e.live()) is not None}
-        current: dict[str, torch.Tensor] = {}
-        named = dict(self._module.named_parameters(remove_duplicate=False))
-        current.update(canonical_parameters(self._module, named, "snapshot()"))  # FSDP2 shards
-        current.update(self._module.named_buffers(remove_duplicate=False))
-        return current
+        names = Names.of(self._module, aliases=True)  # FSDP2: the shards, not temporaries
+        return {**names.params, **names.buffers}
 
     def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
         current = self._current()
@@ -363,7 +382,7 @@ def snapshot(
         if not copy:
             prints = fingerprints(t for _, _, t, _ in chosen)
             saved.update((i, (None, fp)) for i, fp in prints.items())
-        return Snapshot([make(*c) for c in chosen], module, description, copy)
+        return Snapshot([make(*c) for c in chosen], module, description, copy, device)
 
     def make(
         name: str, kind: Literal["parameter", "buffer"], t: torch.Tensor, strong: bool
@@ -385,9 +404,8 @@ def snapshot(
         return _Entry(name, kind, kept, print_, tuple(local.shape), local.dtype, local.layout, live)
 
     if isinstance(target, nn.Module):
-        params = dict(target.named_parameters(remove_duplicate=False))
-        params = canonical_parameters(target, params, caller)  # FSDP2: this rank's shards
-        bufs = dict(target.named_buffers(remove_duplicate=False))
+        walked = Names.of(target, aliases=True)  # by state_dict key; FSDP2: this rank's shards
+        params, bufs = walked.params, walked.buffers
         if names is not None:
             if parameters != "all" or not buffers:
                 raise SelectorError(

@@ -519,14 +519,12 @@ def test_a_print_is_checked_by_its_own_scheme(monkeypatch: pytest.MonkeyPatch) -
     with monkeypatch.context() as m:
         m.setattr(fingerprinting, "scheme_of", lambda t: "device")  # as if on a GPU
         snap = snapshot(model, copy=False)
-        from isolate.spec.checks import DriftWatch
-
-        watch = DriftWatch(model, ["0.weight"], ["1.running_mean"])
+        picked = snapshot(model, names=["0.weight", "1.running_mean"], copy=False)
     assert {e.print.scheme for e in snap._entries if e.print} == {"device"}
-    assert snap.changed() == {} and watch.changed(model) == {}  # now read on the host
+    assert snap.changed() == {} and picked.changed() == {}  # now read on the host
     with torch.no_grad():
         model[0].weight[1, 2] = -model[0].weight[1, 2]
-    assert list(snap.changed()) == ["0.weight"] and list(watch.changed(model)) == ["0.weight"]
+    assert list(snap.changed()) == ["0.weight"] and list(picked.changed()) == ["0.weight"]
 
 
 @pytest.mark.parametrize(

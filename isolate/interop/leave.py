@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from isolate._walker import Names
 from isolate.errors import CheckpointMismatchError
-from isolate.spec.plan import Names
 
 __all__ = ["CALLBACK_KEY", "plain_checkpoint", "plain_optimizer_state"]
 

@@ -16,8 +16,10 @@ from torch import nn
 
 from isolate._autograd import walk
 from isolate._sharding import check_leaves
+from isolate._text import shown
+from isolate._walker import Names
 from isolate.cutoff import cut_off_parameters
-from isolate.drift import max_abs_diff
+from isolate.drift import Snapshot, snapshot
 from isolate.errors import (
     BlindSpotError,
     CutOffError,
@@ -28,22 +30,22 @@ from isolate.errors import (
     SpecError,
 )
 from isolate.exposure import optimizer_exposure
-from isolate.fingerprints import Print, fingerprints, fingerprints_as
 from isolate.reachability import assert_isolated
 from isolate.spec.branches import RECORD_LIMIT, Branches
 from isolate.spec.optimizers import find
-from isolate.spec.plan import Names, Plan, shown
+from isolate.spec.plan import Plan
 from isolate.spec.ranks import check_ranks, world_size
 
 __all__ = [
-    "DriftWatch",
     "Verification",
+    "check_drift",
     "check_flags",
     "check_losses",
     "check_optimizers",
     "check_reach",
     "checked_losses",
     "run_checks",
+    "watch",
 ]
 
 
@@ -72,111 +74,52 @@ class Verification:
     violations: tuple[str, ...] = ()
 
 
-class DriftWatch:
-    """The values of named tensors when watched, compared by name later.
+def watch(
+    plan: Plan,
+    frozen: Mapping[str, nn.Parameter],
+    norms: Mapping[str, nn.Module],
+    *,
+    copy: bool = False,
+) -> Snapshot:
+    """A :func:`~isolate.drift.snapshot` of the ``frozen`` parameters, and of the buffers of the
+    held ``norms`` when the spec holds BatchNorm in eval mode, by ``state_dict`` key.
 
-    By default each tensor is kept as a 128-bit :func:`~isolate.drift.fingerprint`: any
-    change of any bit is caught for O(number of tensors) memory, but not its size. With
-    ``copy=True`` copies live in host memory (a frozen backbone does not cost accelerator
-    memory twice) and a report gives the largest change.
+    Fingerprints by default: any change of any bit is caught for O(number of tensors) memory,
+    but not its size. With ``copy=True`` copies live in host memory (a frozen backbone does
+    not cost accelerator memory twice) and a report gives the largest change.
     """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        params: Sequence[str],
-        buffers: Sequence[str],
-        *,
-        copy: bool = False,
-    ) -> None:
-        self.params = list(params)
-        self.buffers = list(buffers)
-        self.copy = copy
-        current = _named_tensors(model)
-        self._saved = self._keep({n: current[n] for n in [*self.params, *self.buffers]})
-
-    @classmethod
-    def of(
-        cls,
-        plan: Plan,
-        frozen: Mapping[str, nn.Parameter],
-        norms: Mapping[str, nn.Module],
-        *,
-        copy: bool = False,
-    ) -> DriftWatch:
-        """Watch the ``frozen`` parameters, and the buffers of the held ``norms`` when the
-        spec holds BatchNorm in eval mode."""
-        buffers = (
-            [
-                plan.names.of_id[id(b)]
-                for m in norms.values()
-                for b in m.buffers(recurse=False)
-                if id(b) in plan.names.of_id
-            ]
-            if plan.spec.bn == "eval"
-            else []
-        )
-        return cls(plan.model, list(frozen), buffers, copy=copy)
-
-    def _keep(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | Print]:
-        if self.copy:
-            return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
-        prints = fingerprints(tensors.values())  # one batched pass, tied tensors once
-        return {n: prints[id(t)] for n, t in tensors.items()}
-
-    def __len__(self) -> int:
-        return len(self._saved)
-
-    def changed(self, model: nn.Module) -> dict[str, float]:
-        """Name -> max |Δ| of every watched tensor that moved (``nan`` when only fingerprints
-        are kept: the size is unknown); ``inf`` when the name is gone."""
-        return self._changed(_named_tensors(model))
-
-    def _changed(self, current: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        present = {n: current[n] for n in self._saved if n in current}
-        now = fingerprints_as(
-            (present[n], saved)
-            for n, saved in self._saved.items()
-            if isinstance(saved, Print) and n in present
-        )
-        out: dict[str, float] = {}
-        for name, saved in self._saved.items():
-            if name not in present:
-                out[name] = math.inf
-            elif isinstance(saved, Print):
-                if now[id(present[name])] != saved:
-                    out[name] = math.nan
-            else:
-                delta = max_abs_diff(saved, present[name])
-                if not delta <= 0.0:
-                    out[name] = delta
-        return out
-
-    def check(self, model: nn.Module, when: str, caller: str) -> list[IsolationError]:
-        """A :class:`DriftError` naming what moved, then watch from the new values, so a
-        run that only warns reports each move once."""
-        current = _named_tensors(model)
-        moved = self._changed(current)
-        if not moved:
-            return []
-        self._saved.update(self._keep({n: current[n] for n in moved if n in current}))
-        width = max(len(name) for name in moved)
-        lines = [
-            f"  {name:<{width}}  ({'buffer' if name in self.buffers else 'parameter'}) "
-            + ("changed (size unknown: fingerprints only)" if math.isnan(d) else f"max|Δ|={d:.3e}")
-            for name, d in list(moved.items())[:8]
+    buffers = (
+        [
+            plan.names.of_id[id(b)]
+            for m in norms.values()
+            for b in m.buffers(recurse=False)
+            if id(b) in plan.names.of_id
         ]
-        return [
-            DriftError(
-                f"{caller}: frozen tensors moved ({when}): {shown(moved)}\n" + "\n".join(lines)
-            )
-        ]
+        if plan.spec.bn == "eval"
+        else []
+    )
+    return snapshot(plan.model, names=[*frozen, *buffers], copy=copy)
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by its ``state_dict`` key: one walk of the model."""
-    names = Names.of(model)
-    return {**names.params, **names.buffers}
+def check_drift(watched: Snapshot, when: str, caller: str) -> tuple[list[IsolationError], Snapshot]:
+    """A :class:`DriftError` naming what moved since ``watched``, and the snapshot to watch
+    from next: the same one, or a new one from the moved values, so that a run that only
+    warns reports each move once."""
+    moved = watched.changed()
+    if not moved:
+        return [], watched
+    renewed = watched.renewed()
+    width = max(len(name) for name in moved)
+    kinds = watched.kinds
+    lines = [
+        f"  {name:<{width}}  ({kinds[name]}) "
+        + ("changed (size unknown: fingerprints only)" if math.isnan(d) else f"max|Δ|={d:.3e}")
+        for name, d in list(moved.items())[:8]
+    ]
+    error = DriftError(
+        f"{caller}: frozen tensors moved ({when}): {shown(moved)}\n" + "\n".join(lines)
+    )
+    return [error], renewed
 
 
 def check_reach(
@@ -375,13 +318,14 @@ def run_checks(
     losses: Mapping[str, torch.Tensor] | None,
     reach: tuple[torch.Tensor | Sequence[torch.Tensor] | None, tuple[str, ...]],
     branches: Branches,
-    watch: DriftWatch | None,
+    watched: Snapshot | None,
     optimizers: Sequence[torch.optim.Optimizer],
     checks: Collection[str],
     when: str,
     caller: str,
-) -> tuple[Verification, list[IsolationError]]:
-    """Run the ``checks`` asked for; return what was checked and the violations found."""
+) -> tuple[Verification, list[IsolationError], Snapshot | None]:
+    """Run the ``checks`` asked for; return what was checked, the violations found, and the
+    snapshot to check drift against next time."""
     found: list[IsolationError] = []
     counts: dict[str, int] = {}
     if "losses" in checks and losses is not None:
@@ -399,8 +343,11 @@ def run_checks(
     if "reach" in checks and total is not None:
         reached, cut = check_reach(plan.model, total, expected_unused, when, caller)
         found += cut
-    if "drift" in checks and watch is not None:
-        found += watch.check(plan.model, when, caller)
+    drifted = 0
+    if "drift" in checks and watched is not None:
+        drifted = len(watched)
+        moved, watched = check_drift(watched, when, caller)
+        found += moved
     if "flags" in checks:
         found += check_flags(frozen, when, caller)
     if "optimizers" in checks:
@@ -411,10 +358,10 @@ def run_checks(
     verification = Verification(
         losses=counts,
         reach=reached,
-        drift=len(watch) if "drift" in checks and watch is not None else 0,
+        drift=drifted,
         flags=len(frozen) if "flags" in checks else 0,
         optimizers=len(optimizers) if "optimizers" in checks else 0,
         ranks=ranks,
         violations=tuple(str(e) for e in found),
     )
-    return verification, found
+    return verification, found, watched

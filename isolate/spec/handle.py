@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from isolate._sharding import check_wrappers, settle
+from isolate.drift import Snapshot
 from isolate.errors import (
     IsolationTypeError,
     IsolationWarning,
@@ -23,9 +24,9 @@ from isolate.errors import (
 from isolate.freezing import FreezeHandle
 from isolate.spec.branches import Branches
 from isolate.spec.checks import (
-    DriftWatch,
     Verification,
     run_checks,
+    watch,
 )
 from isolate.spec.clock import Clock
 from isolate.spec.data import SpecData
@@ -86,7 +87,7 @@ class IsolationHandle:
         self._link = OptimizerLink(caller, warn, self._clock)
         self._thaws = Thaws(plan, self._link, caller)
         self.drift: Literal["fingerprint", "copy"] = "fingerprint"
-        self._watch: DriftWatch | None = None
+        self._watch: Snapshot | None = None
         self.position = {"epoch": 0, "global_step": 0}
         self._active = False
 
@@ -310,7 +311,7 @@ class IsolationHandle:
                 f"{self._caller}.verify(): unknown checks {unknown}; use {list(CHECKS)}"
             )
         when = when or f"at epoch {self.position['epoch']}, step {self.position['global_step']}"
-        verification, found = run_checks(
+        verification, found, self._watch = run_checks(
             self.plan,
             self.frozen_parameters(),
             losses,
@@ -328,8 +329,8 @@ class IsolationHandle:
             self._warn(str(error))
         return verification
 
-    def _new_watch(self) -> DriftWatch:
-        return DriftWatch.of(
+    def _new_watch(self) -> Snapshot:
+        return watch(
             self.plan, self.frozen_parameters(), self.frozen_norms(), copy=self.drift == "copy"
         )
 

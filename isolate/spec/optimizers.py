@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 import isolate.spec.lr_schedulers as lr_schedulers
+from isolate._text import shown
 from isolate.errors import IsolationTypeError, SpecError
 from isolate.exposure import unwrap_optimizer, zero_grad_risks
 from isolate.spec.clock import Clock, Shaper
-from isolate.spec.plan import Group, Plan, shown
+from isolate.spec.plan import Group, Plan
 
 __all__ = [
     "OptimizerLink",

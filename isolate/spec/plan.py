@@ -8,74 +8,21 @@ names stay the same whether or not the model is wrapped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from isolate._selectors import describe, is_float, select
-from isolate._sharding import sharded_view
+from isolate._text import shown
+from isolate._walker import Names
 from isolate._wrapping import Wrapper
 from isolate.errors import IsolationTypeError, SelectorError, SpecError, WrappingError
 from isolate.spec.data import SpecData
 from isolate.spec.thaw import Thaw
 
-__all__ = ["Group", "Names", "Plan", "Wrap", "resolve", "shown"]
-
-_SHOW = 8  # how many names a message lists before "... and N more"
-
-
-def shown(names: Iterable[str]) -> str:
-    """``['a', 'b', ... and N more]`` for error messages."""
-    listed = list(names)
-    head = ", ".join(repr(n) for n in listed[:_SHOW])
-    more = f", ... and {len(listed) - _SHOW} more" if len(listed) > _SHOW else ""
-    return f"[{head}{more}]"
-
-
-@dataclass
-class Names:
-    """Every parameter and buffer of a model by its ``state_dict`` key (first alias wins)."""
-
-    params: dict[str, nn.Parameter] = field(default_factory=dict)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    of_id: dict[int, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, model: nn.Module) -> Names:
-        names = cls()
-        view = sharded_view([model], "isolate")  # FSDP2: the sharded parameters, not temporaries
-        stack: list[tuple[str, nn.Module]] = [("", model)]
-        while stack:
-            prefix, module = stack.pop()
-            for name, p in module._parameters.items():
-                if p is not None and id(p) not in names.of_id:
-                    p = view.canonical(p)
-                    names.params[prefix + name] = p
-                    names.of_id[id(p)] = prefix + name
-            for name, b in module._buffers.items():
-                if b is not None and id(b) not in names.of_id:
-                    names.buffers[prefix + name] = b
-                    names.of_id[id(b)] = prefix + name
-            children = [
-                (
-                    prefix
-                    if isinstance(module, Wrapper) and name == "module"
-                    else f"{prefix}{name}.",
-                    c,
-                )
-                for name, c in module._modules.items()
-                if c is not None
-            ]
-            stack.extend(reversed(children))
-        names.of_id.update(view.aliases(names.of_id))
-        return names
-
-    def name(self, tensor: torch.Tensor) -> str:
-        return self.of_id.get(id(tensor), f"<tensor of shape {tuple(tensor.shape)}>")
+__all__ = ["Group", "Plan", "Wrap", "resolve"]
 
 
 @dataclass

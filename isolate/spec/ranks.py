@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from isolate import errors
+from isolate._text import shown
 from isolate.errors import IsolationError, RankDivergenceError
 from isolate.fingerprints import fingerprint
-from isolate.spec.plan import shown
 
 __all__ = ["check_ranks", "replica_key", "world_size"]
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from isolate._text import shown
 from isolate.errors import CheckpointMismatchError, IsolationTypeError
-from isolate.spec.plan import Plan, shown
+from isolate.spec.plan import Plan
 
 __all__ = ["FORMAT", "check_state", "plain", "saved_state"]
 

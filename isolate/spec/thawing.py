@@ -13,11 +13,12 @@ from typing import Any
 from torch import nn
 
 from isolate._sharding import settle
+from isolate._text import shown
 from isolate.errors import CheckpointMismatchError, SpecError
 from isolate.freezing import FreezeHandle
 from isolate.spec.clock import Phases
 from isolate.spec.optimizers import OptimizerLink
-from isolate.spec.plan import Plan, shown
+from isolate.spec.plan import Plan
 
 __all__ = ["Thaws"]
 
