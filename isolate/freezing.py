@@ -35,8 +35,15 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _outside_compile(fn: _F) -> _F:
-    """Keep ``fn`` out of compiled graphs: a flag flipped while tracing would be baked in."""
-    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+    """Keep ``fn`` out of compiled graphs: a flag flipped while tracing would be baked in.
+
+    ``torch._disable_dynamo`` is ``torch.compiler.disable`` that imports the compiler on the
+    first call instead of now: ``import isolate`` stays as light as ``import torch``.
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is None:  # pragma: no cover - torch versions without the lazy form
+        return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+    return cast(_F, lazy(fn))
 
 
 class _Sequence:

@@ -454,7 +454,7 @@ def test_constructor_rejects_bad_arguments(subtests: pytest.Subtests) -> None:
     for kwargs, match in cases:
         with subtests.test(match), pytest.raises(SpecError, match=match):
             IsolationCallback(**kwargs)
-    assert IsolationCallback(freeze="trunk").freeze == ("trunk",)  # one selector, not 5
+    assert IsolationCallback(freeze="trunk").spec.freeze == ("trunk",)  # one selector, not 5
     assert issubclass(SpecError, IsolationError) and issubclass(SpecError, ValueError)
     assert issubclass(CheckpointMismatchError, IsolationError)
 
@@ -595,9 +595,9 @@ def test_lightning_cli_builds_and_runs_the_callback_from_yaml(
     )
     cli = LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
     callback = next(c for c in cli.trainer.callbacks if isinstance(c, IsolationCallback))
-    assert callback.thaw == (Thaw(["trunk.3"], step=4, lr=0.001),)
-    assert callback.protect == {"aux": ("trunk", "head")}
-    assert (callback.verify_every_n_steps, callback.on_violation) == (2, "warn")
+    assert callback.spec.thaw == (Thaw(["trunk.3"], step=4, lr=0.001),)
+    assert callback.spec.protect == {"aux": ("trunk", "head")}
+    assert (callback.cadence.every, callback.cadence.on_violation) == (2, "warn")
     before = state(cli.model.trunk)
     cli.trainer.fit(cli.model, loader())
     assert changed(before, state(cli.model.trunk)) == {"3.weight", "3.bias"}

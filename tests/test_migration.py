@@ -535,8 +535,8 @@ def test_lightning_cli_parses_the_new_selectors_and_thaw_fields(
     )
     cli = LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
     callback = next(c for c in cli.trainer.callbacks if isinstance(c, IsolationCallback))
-    assert callback.freeze == ("trunk", "!trunk/type:_BatchNorm")
-    assert callback.thaw == (
+    assert callback.spec.freeze == ("trunk", "!trunk/type:_BatchNorm")
+    assert callback.spec.thaw == (
         Thaw("trunk.0", epoch=1, warmup_ratio=0.5, warmup_steps=2, align=True),
         Thaw(["trunk", "!trunk.0"], monitor="val_loss", patience=1, min_delta=0.5, lr=0.01),
     )

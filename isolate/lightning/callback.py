@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
@@ -18,7 +19,7 @@ from isolate.errors import (
     IsolationWarning,
     SpecError,
 )
-from isolate.lightning.checkpoint import CheckpointState, check_before_weights
+from isolate.lightning.checkpoint import SavedState
 from isolate.lightning.metrics import grad_norms, log_figure
 from isolate.lightning.strategies import (
     applies_at_fit_start,
@@ -28,8 +29,9 @@ from isolate.lightning.strategies import (
 )
 from isolate.spec import IsolationSpec, Thaw, ThawKeys
 from isolate.spec._fields import string_list
+from isolate.spec.cadence import Cadence
 from isolate.spec.handle import IsolationHandle
-from isolate.spec.ranks import world_size
+from isolate.spec.isolation import apply as apply_spec
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
 
@@ -52,7 +54,7 @@ def _warn(message: str) -> None:
     warnings.warn(message, IsolationWarning, stacklevel=2)
 
 
-class IsolationCallback(CheckpointState):
+class IsolationCallback(Callback):
     """Freeze, detach, clone and thaw by name, and check while training that isolation holds.
 
     A thin adapter over :class:`isolate.IsolationSpec`: ``setup("fit")`` applies the spec
@@ -160,31 +162,21 @@ class IsolationCallback(CheckpointState):
             "frozen_in_optimizer": frozen_in_optimizer,
         }
         self.spec = _spec(spec, {k: v for k, v in given.items() if v != _DEFAULTS[k]})
-        _check_options(verify_every_n_steps, on_violation, drift)
-        self.verify_every_n_steps = verify_every_n_steps
-        self.on_violation: Literal["raise", "warn"] = on_violation
+        self.cadence = Cadence(
+            verify_every_n_steps,
+            string_list(expected_unused, "expected_unused", _CALLER),
+            on_violation,
+        )
+        self.cadence.validate(_CALLER)
+        if drift not in ("fingerprint", "copy"):
+            raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
         self.log_grad_norms = bool(log_grad_norms)
         self.log_figures = bool(log_figures)
         self.drift: Literal["fingerprint", "copy"] = drift
-        self.expected_unused = string_list(expected_unused, "expected_unused", _CALLER)
         self.handle: IsolationHandle | None = None
-        self._last_state: dict[str, Any] = {}
+        self.saved = SavedState(_CALLER)
         self._modes: list[tuple[nn.Module, bool]] = []
-        self._verify_now = False
-        self._reach_now = False
-        self._batch_step = 0
-        self._backward_losses: list[torch.Tensor] = []
-        self._verify_step = -1
-        self._losses_seen = False
-        self._pending_rank_check: str | None = None
         self._validations = 0  # validation runs seen in this fit (monitor thaws need them)
-
-    freeze = property(lambda self: self.spec.freeze, doc="The spec's ``freeze`` selectors.")
-    detach = property(lambda self: self.spec.detach, doc="The spec's ``detach`` branches.")
-    clone = property(lambda self: self.spec.clone, doc="The spec's ``clone`` branches.")
-    bn = property(lambda self: self.spec.bn, doc="The spec's BatchNorm policy.")
-    thaw = property(lambda self: self.spec.thaw, doc="The spec's thaw schedule.")
-    protect = property(lambda self: self.spec.protect, doc="The spec's ``protect`` mapping.")
 
     def __repr__(self) -> str:
         return repr(self.spec).replace(type(self.spec).__name__, _CALLER, 1)
@@ -200,11 +192,28 @@ class IsolationCallback(CheckpointState):
         self._modes = [(m, m.training) for m in pl_module.modules()]
         if applies_at_fit_start(trainer):  # FSDP2: configure_model replaces the parameters
             return
-        self.handle = IsolationHandle.apply(
-            self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift
-        )
+        self._apply(pl_module)
         # A resume loads the weights before callbacks see the checkpoint: check it first.
-        check_before_weights(trainer, self.state_key, self.handle, _CALLER)
+        self.saved.check_before_weights(trainer, self.state_key, self._handle())
+
+    def _apply(self, pl_module: pl.LightningModule) -> None:
+        self.handle = apply_spec(self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift)
+        cadence = self.cadence
+        self.handle.check_every(
+            cadence.every,
+            expected_unused=cadence.expected_unused,
+            on_violation=cadence.on_violation,
+            losses_hint=(
+                f"{type(pl_module).__name__}.training_step did not set self.{LOSSES_ATTRIBUTE} "
+                "at step {step}; set it to a dict {{'loss name': loss_tensor}} in every "
+                "training_step"
+            ),
+        )
+
+    def _handle(self) -> IsolationHandle:
+        if self.handle is None:  # pragma: no cover - every caller checks first
+            raise SpecError(f"{_CALLER}: the spec is not applied")
+        return self.handle
 
     def _restore(self) -> None:
         handle, self.handle = self.handle, None
@@ -216,7 +225,7 @@ class IsolationCallback(CheckpointState):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Put back the submodules and every flag and mode as they were before ``fit``."""
         if stage == "fit" and self.handle is not None:
-            self._last_state = self.handle.state_dict()
+            self.saved.keep(self.handle)
             self._restore()
 
     def on_exception(
@@ -230,21 +239,19 @@ class IsolationCallback(CheckpointState):
         """
         if self.handle is None:
             return
-        self._last_state = self.handle.state_dict()
+        self.saved.keep(self.handle)
         self._restore()
         for module, training in self._modes:
             module.training = training
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Take frozen parameters out of the optimizers and plan where thawed ones go."""
-        trainer.strategy.__dict__.pop("load_model_state_dict", None)  # no resume: not needed
+        self.saved.no_resume(trainer)
         at_fit_start = self.handle is None and applies_at_fit_start(trainer)
         if at_fit_start:
             # Resolved by name against the sharded module; a resume thaws what was thawed
             # now, before the strategy loads the optimizer state into the param groups.
-            self.handle = IsolationHandle.apply(
-                self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift
-            )
+            self._apply(pl_module)
             load_state_first(trainer, self.state_key, self.load_state_dict, _CALLER)
         if self.handle is None:
             return
@@ -258,56 +265,37 @@ class IsolationCallback(CheckpointState):
             self._restore()
             raise
         _warn_on_norm_clipping(trainer, self.spec.detach)
-        self._check(("ranks",), "at fit start")
+        self.handle.verify(
+            checks=("ranks",), on_violation=self.cadence.on_violation, when="at fit start"
+        )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Thaw the groups due at this epoch."""
-        self._advance(trainer, record=False)
+        self._begin(trainer, arm=False)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Thaw the groups due, and arm the checks of this step."""
+        """Thaw the groups due, and arm the checks of this step (also thaws by epoch:
+        Lightning skips ``on_train_epoch_start`` for the first epoch of a fit resumed from a
+        checkpoint written after the last batch of the epoch before)."""
+        self._begin(trainer, arm=True)
+
+    def _begin(self, trainer: pl.Trainer, *, arm: bool) -> None:
         if self.handle is None:
             return
-        n = self.verify_every_n_steps
-        self._verify_now = bool(n) and trainer.global_step % n == 0
-        if self._verify_now and self._verify_step != trainer.global_step:
-            self._verify_step = trainer.global_step
-            self._losses_seen = False
-        # Also thaws by epoch: Lightning skips on_train_epoch_start for the first epoch of a
-        # fit resumed from a checkpoint written after the last batch of the epoch before.
-        self._batch_step = trainer.global_step
-        thawed_before = len(self.handle.thawed)
-        self._advance(trainer, record=self._verify_now)
-        # A thawed group must be reached on its first step: check reach then, whatever n.
-        self._reach_now = self._verify_now or len(self.handle.thawed) > thawed_before
-        self._backward_losses = []
-
-    def _advance(self, trainer: pl.Trainer, *, record: bool) -> None:
-        handle = self.handle
-        if handle is None:
-            return
         epoch, step = trainer.current_epoch, trainer.global_step
-        due = handle.due(epoch=epoch, step=step)
-        when = f"epoch {epoch}, step {step}"
-        if due:
-            self._check(("drift", "ranks"), f"before thawing {due} ({when})")
-        handle.step(epoch=epoch, step=step, record=record)
-        if not due:
+        thawed = self.handle.loop.begin_step(epoch=epoch, step=step, arm=arm)
+        if not thawed:
             return
         rewrapped = rewrap(trainer, _CALLER)
-        self._pending_rank_check = f"after thawing {due} ({when})"
-        for name in due:
-            g = handle.plan.group(name)
+        for name in thawed:
+            g = self.handle.plan.group(name)
             rank_zero_info(
-                f"{_CALLER}: thawed {name!r} ({len(g.params)} parameters) at {when}"
+                f"{_CALLER}: thawed {name!r} ({len(g.params)} parameters) at epoch {epoch}, "
+                f"step {step}"
                 + ("; DDP wrapper rebuilt so its gradients are synchronised" if rewrapped else "")
             )
-
-    def _check(self, checks: tuple[str, ...], when: str, losses: Any = None) -> None:
-        if self.handle is not None:
-            self.handle.verify(losses, checks=checks, on_violation=self.on_violation, when=when)
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -315,24 +303,18 @@ class IsolationCallback(CheckpointState):
         """Check the named losses while their graph is alive (a walk, no backward)."""
         if self.handle is None:
             return
-        if self._reach_now:
-            self._backward_losses.append(loss)  # the walk works after backward too
         losses = _take_losses(pl_module)
-        if not self._verify_now or not losses:
-            return
-        _check_named(pl_module, losses, self.spec.protect)
-        self._losses_seen = True
-        # Under several processes "ranks" makes the check a collective with one verdict: a
-        # rank raising alone would leave the others waiting in backward's all-reduce.
-        self._check(("losses", *_ranks_if_many()), f"at step {trainer.global_step}", losses)
-        if self.log_figures:
-            log_figure(trainer, pl_module, losses, loss, self.expected_unused)
+        if self.handle.loop.checking and losses:
+            _check_named(pl_module, losses, self.spec.protect)
+        self.handle.loop.before_backward(loss, losses if self.handle.loop.checking else None)
+        if self.log_figures and self.handle.loop.checking and losses:
+            log_figure(trainer, pl_module, losses, loss, self.cadence.expected_unused)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Log gradient norms per group at check steps."""
-        if self.handle is None or not self._verify_now or not self.log_grad_norms:
+        if self.handle is None or not self.handle.loop.checking or not self.log_grad_norms:
             return
         if trainer.loggers:
             metrics = grad_norms(self.handle)
@@ -347,40 +329,10 @@ class IsolationCallback(CheckpointState):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Check reach, drift, flags, optimizers and ranks at check steps, and ranks after a
-        thaw."""
-        if self.handle is None:
-            return
-        if self._verify_now and self.spec.protect and not self._losses_seen:
-            raise SpecError(
-                f"{_CALLER}: protect names the losses {sorted(self.spec.protect)}, but "
-                f"{type(pl_module).__name__}.training_step did not set "
-                f"self.{LOSSES_ATTRIBUTE} at step {self._verify_step}; set it to a dict "
-                f"{{'loss name': loss_tensor}} in every training_step"
-            )
-        # One verification, so that with "ranks" every rank reaches one verdict on all of it.
-        checks: tuple[str, ...] = ()
-        when = f"at step {self._batch_step}"
-        if self._reach_now and self._backward_losses:
-            checks = ("reach", *_ranks_if_many())
-        if self._verify_now:
-            checks = (*checks, "drift", "flags", "optimizers", "ranks")
-            when = f"at step {self._verify_step}"
-        elif self._pending_rank_check is not None:
-            # reach is checked on the first step after a thaw: "at step N" says it then
-            when = when if checks else self._pending_rank_check
-            checks = (*checks, "ranks")
-        if checks:
-            self.handle.verify(
-                total=self._backward_losses or None,
-                expected_unused=self.expected_unused,
-                checks=tuple(dict.fromkeys(checks)),
-                on_violation=self.on_violation,
-                when=when,
-            )
-        self._reach_now, self._backward_losses = False, []
-        self._pending_rank_check = None
-        self._verify_now = False
+        """Check reach, drift, flags, optimizers and ranks at check steps, reach on the first
+        step after a thaw, and ranks after a thaw."""
+        if self.handle is not None:
+            self.handle.loop.end_step()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Give the validation metrics to the ``monitor`` thaws (rank 0's, on every rank)."""
@@ -394,9 +346,36 @@ class IsolationCallback(CheckpointState):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A last check of drift and ranks; a warning if a ``monitor`` thaw never saw a
         validation run (no ``val_dataloader``, or validation less often than the fit lasted)."""
-        self._check(("drift", "ranks"), "at the end of training")
-        if self.handle is not None and not self._validations:
+        if self.handle is None:
+            return
+        self.handle.loop.finish()
+        if not self._validations:
             _warn_unvalidated(self.handle, trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The spec, what is frozen now and when each group was thawed, by parameter name."""
+        return self.saved.state(self.handle)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Refuse a checkpoint that holds no state of this callback."""
+        if self.handle is not None:
+            self.saved.require(checkpoint, self.state_key)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check the checkpoint's spec against this one, then thaw what it had thawed (before
+        DDP wraps the model, so thawed groups are synchronised from the start; groups thawed
+        in the checkpoint are not frozen again).
+
+        Raises:
+            CheckpointMismatchError: the checkpoint was written under another spec.
+        """
+        try:
+            self.saved.load(self.handle, state_dict)
+        except IsolationError:
+            self._restore()
+            raise
 
 
 def _warn_unvalidated(handle: IsolationHandle, trainer: pl.Trainer) -> None:
@@ -410,12 +389,6 @@ def _warn_unvalidated(handle: IsolationHandle, trainer: pl.Trainer) -> None:
             f"val_dataloaders to fit (or validate more often than every "
             f"{trainer.check_val_every_n_epoch} epochs), or give it epoch= or step="
         )
-
-
-def _ranks_if_many() -> tuple[str, ...]:
-    """``("ranks",)`` under several processes: the check becomes a collective whose verdict
-    every rank shares."""
-    return ("ranks",) if world_size() > 1 else ()
 
 
 def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
@@ -503,15 +476,3 @@ def _check_named(
             f"{sorted(losses)}; set self.{LOSSES_ATTRIBUTE} = {{'name': loss, ...}} in "
             f"training_step, with the names used in protect"
         )
-
-
-def _check_options(every: object, on_violation: object, drift: object) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise SpecError(
-            f"{_CALLER}: verify_every_n_steps must be an integer >= 0 (0 turns checks off), "
-            f"got {every!r}"
-        )
-    if on_violation not in ("raise", "warn"):
-        raise SpecError(f"{_CALLER}: on_violation must be 'raise' or 'warn', got {on_violation!r}")
-    if drift not in ("fingerprint", "copy"):
-        raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")

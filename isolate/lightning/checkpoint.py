@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
 
-from isolate.errors import CheckpointMismatchError, IsolationError
+from isolate.errors import CheckpointMismatchError
 from isolate.spec.handle import IsolationHandle
 from isolate.spec.state import check_state
+
+__all__ = ["SavedState"]
 
 _NO_STATE = (
     "IsolationCallback: the checkpoint holds no IsolationCallback state: it was written "
@@ -20,75 +21,63 @@ _NO_STATE = (
     "without ckpt_path"
 )
 
-__all__ = ["CheckpointState", "check_before_weights"]
 
+class SavedState:
+    """What :class:`~isolate.lightning.IsolationCallback` saves in and reads from Lightning's
+    checkpoints, over its handle: the handle's own state while applied, the last one kept
+    after ``fit`` (or an error), and a state loaded before the spec was applied."""
 
-def check_before_weights(
-    trainer: pl.Trainer, key: str, handle: IsolationHandle, caller: str
-) -> None:
-    """Check the callback's saved state before the strategy loads the model's weights.
+    def __init__(self, caller: str) -> None:
+        self.caller = caller
+        self.last: dict[str, Any] = {}
 
-    Lightning loads a checkpoint's weights into the model before any callback sees the
-    checkpoint, so a resume refused afterwards would leave the model with the refused run's
-    weights. The strategy's ``load_model_state_dict`` is wrapped, for one call, to check the
-    saved spec first (nothing thaws here; ``load_state_dict`` does that later).
+    def keep(self, handle: IsolationHandle) -> None:
+        """Keep ``handle``'s state for :meth:`state`, before it is restored."""
+        self.last = handle.state_dict()
 
-    Raises:
-        CheckpointMismatchError: (at the load) the checkpoint holds no state of this callback,
-            or one written under another spec; the weights are not loaded.
-    """
-    strategy = trainer.strategy
-    original = strategy.load_model_state_dict
+    def state(self, handle: IsolationHandle | None) -> dict[str, Any]:
+        """The state to save: the handle's, or the last one kept."""
+        return dict(self.last) if handle is None else handle.state_dict()
 
-    def load_model_state_dict(checkpoint: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        strategy.__dict__.pop("load_model_state_dict", None)  # once
-        states = checkpoint.get("callbacks") or {}
-        if key not in states:
-            raise CheckpointMismatchError(_NO_STATE)
-        check_state(handle.plan.record(), states[key], handle.plan.group_names, caller)
-        return original(checkpoint, *args, **kwargs)
-
-    strategy.__dict__["load_model_state_dict"] = load_model_state_dict
-
-
-class CheckpointState(Callback):
-    """Checkpoint hooks of :class:`~isolate.lightning.IsolationCallback` over its handle."""
-
-    handle: IsolationHandle | None
-    _last_state: dict[str, Any]
-
-    def _restore(self) -> None:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        """The spec, what is frozen now and when each group was thawed, by parameter name."""
-        if self.handle is None:
-            return dict(self._last_state)
-        return self.handle.state_dict()
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Refuse a checkpoint that holds no state of this callback."""
-        if self.handle is None:
+    def load(self, handle: IsolationHandle | None, state: Mapping[str, Any]) -> None:
+        """Thaw what ``state`` had thawed (checked against the spec first); kept for later
+        when the spec is not applied yet."""
+        if handle is None:
+            self.last = dict(state)
             return
-        if self.state_key not in (checkpoint.get("callbacks") or {}):
+        handle.load_state_dict(state)
+
+    def require(self, checkpoint: Mapping[str, Any], key: str) -> None:
+        """Refuse a checkpoint that holds no state under ``key``."""
+        if key not in (checkpoint.get("callbacks") or {}):
             raise CheckpointMismatchError(_NO_STATE)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check the checkpoint's spec against this one, then thaw what it had thawed.
+    def check_before_weights(self, trainer: pl.Trainer, key: str, handle: IsolationHandle) -> None:
+        """Check the saved state before the strategy loads the model's weights.
 
-        Runs before DDP wraps the model, so thawed groups are synchronised from the start;
-        groups thawed in the checkpoint are not frozen again.
+        Lightning loads a checkpoint's weights into the model (``restore_model``) before any
+        callback hook sees the checkpoint (``restore_callbacks``), and no callback hook runs
+        in between, so a resume refused afterwards would leave the model with the refused
+        run's weights. The strategy's ``load_model_state_dict`` is wrapped, for one call, to
+        check the saved spec first (nothing thaws here; ``load_state_dict`` does that).
 
         Raises:
-            CheckpointMismatchError: the checkpoint was written under another spec.
+            CheckpointMismatchError: (at the load) the checkpoint holds no state of this
+                callback, or one written under another spec; the weights are not loaded.
         """
-        if self.handle is None:
-            self._last_state = dict(state_dict)
-            return
-        try:
-            self.handle.load_state_dict(state_dict)
-        except IsolationError:
-            self._restore()
-            raise
+        strategy = trainer.strategy
+        original: Callable[..., Any] = strategy.load_model_state_dict
+
+        def load_model_state_dict(checkpoint: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+            strategy.__dict__.pop("load_model_state_dict", None)  # once
+            self.require(checkpoint, key)
+            states = checkpoint["callbacks"]
+            check_state(handle.plan.record(), states[key], handle.plan.group_names, self.caller)
+            return original(checkpoint, *args, **kwargs)
+
+        strategy.__dict__["load_model_state_dict"] = load_model_state_dict
+
+    @staticmethod
+    def no_resume(trainer: pl.Trainer) -> None:
+        """Take the one-call wrapper off when fit starts without a resume."""
+        trainer.strategy.__dict__.pop("load_model_state_dict", None)

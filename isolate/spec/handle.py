@@ -14,34 +14,31 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from isolate._sharding import check_wrappers, settle
+from isolate._sharding import settle
 from isolate.drift import Snapshot
 from isolate.errors import (
-    IsolationTypeError,
     IsolationWarning,
     SpecError,
 )
 from isolate.freezing import FreezeHandle
 from isolate.spec.branches import Branches
+from isolate.spec.cadence import CHECKS, Cadence, Loop
 from isolate.spec.checks import (
     Verification,
     run_checks,
     watch,
 )
 from isolate.spec.clock import Clock
-from isolate.spec.data import SpecData
-from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers, place
-from isolate.spec.plan import Plan, resolve
+from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
+from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
 from isolate.spec.thawing import Thaws
 
-__all__ = ["CHECKS", "IsolationHandle", "Optimizers"]
-
-CHECKS = ("losses", "reach", "drift", "flags", "optimizers", "ranks")
-"""What :meth:`IsolationHandle.verify` can check."""
+__all__ = ["IsolationHandle", "warn_user"]
 
 
-def _warn(message: str) -> None:
+def warn_user(message: str) -> None:
+    """Warn with an :class:`~isolate.IsolationWarning` pointing at the user's call."""
     warnings.warn(message, IsolationWarning, stacklevel=4)
 
 
@@ -77,10 +74,14 @@ class IsolationHandle:
     """
 
     def __init__(
-        self, plan: Plan, *, caller: str = "IsolationHandle", warn: Callable[[str], None] = _warn
+        self,
+        plan: Plan,
+        *,
+        caller: str = "IsolationHandle",
+        warn: Callable[[str], None] = warn_user,
     ) -> None:
         self.plan = plan
-        self._caller = caller
+        self.caller = caller
         self._warn = warn
         self._freeze: FreezeHandle | None = None
         self._branches = Branches()
@@ -90,49 +91,17 @@ class IsolationHandle:
         self._watch: Snapshot | None = None
         self.position = {"epoch": 0, "global_step": 0}
         self._active = False
+        self.loop = Loop(self, Cadence())
 
-    @classmethod
-    def apply(
-        cls,
-        spec: SpecData,
-        model: nn.Module,
-        optimizer: Optimizers = None,
-        *,
-        caller: str = "IsolationSpec",
-        warn: Callable[[str], None] = _warn,
-        drift: Literal["fingerprint", "copy"] = "fingerprint",
-    ) -> IsolationHandle:
-        """Resolve ``spec`` on ``model``, check it whole, then change (``IsolationSpec.apply``)."""
-        if not isinstance(spec, SpecData):
-            raise IsolationTypeError(f"{caller}: spec must be an IsolationSpec, got {type(spec)}")
-        settle(model)  # FSDP2: resolve and flip the sharded parameters, not temporaries
-        check_wrappers(model, {}, caller, warn)  # FSDP1 flat parameters: refuse first
-        plan = resolve(spec, model, caller)
-        check_wrappers(model, plan.frozen, caller, warn)  # FSDP1 mixed units: warn
-        optimizers = as_optimizers(optimizer, caller)
-        if optimizers:
-            place(plan, optimizers, set(), caller)  # only to refuse before anything changes
-        if drift not in ("fingerprint", "copy"):
-            raise SpecError(f"{caller}: drift must be 'fingerprint' or 'copy', got {drift!r}")
-        handle = cls(plan, caller=caller, warn=warn)
-        handle.drift = drift
-        handle._apply()
-        if optimizers:
-            try:
-                handle.attach(optimizers)
-            except BaseException:
-                handle.restore()
-                raise
-        return handle
-
-    def _apply(self) -> None:
+    def start(self) -> None:
+        """Freeze, hold and wrap as the plan says (undone by :meth:`restore`)."""
         plan = self.plan
         self._active = True
         try:
             if plan.frozen:
                 self._freeze = FreezeHandle(
                     plan.model,
-                    f"{self._caller}(freeze)",
+                    f"{self.caller}(freeze)",
                     plan.frozen,
                     dict(plan.norms),
                     False,
@@ -185,8 +154,8 @@ class IsolationHandle:
                 since (``sync_batchnorm``), which would drop the eval-mode hold.
         """
         self._require_active("attach")
-        opts = as_optimizers(optimizers, f"{self._caller}.attach()")
-        self.plan.check_norms_present(self._caller)
+        opts = as_optimizers(optimizers, f"{self.caller}.attach()")
+        self.plan.check_norms_present(self.caller)
         self._link.attach(
             self.plan,
             opts,
@@ -259,7 +228,7 @@ class IsolationHandle:
             SpecError: the watched metric is not in ``metrics``.
         """
         self._require_active("observe")
-        return self._thaws.phases.observe(metrics, list(self._thaws.applied), self._caller)
+        return self._thaws.phases.observe(metrics, list(self._thaws.applied), self.caller)
 
     def _clock(self, name: str) -> Clock:
         return lambda: (self.position, self._thaws.applied[name])
@@ -277,39 +246,29 @@ class IsolationHandle:
         """Prove the spec holds now: reach of the named losses, drift, flags, optimizers, ranks.
 
         Args:
-            losses: loss name -> loss tensor, with its graph alive (before ``backward``). Each
-                must reach no frozen parameter, and none of ``protect[name]`` (without
-                ``protect``: nothing upstream of a ``detach`` branch).
+            losses: loss name -> loss tensor, graph alive. Each must reach no frozen parameter
+                and none of ``protect[name]`` (without ``protect``: nothing upstream of a
+                ``detach`` branch).
             total: the loss (or losses) the step backpropagates, graph alive: every trainable
-                parameter must be reached by it (``"reach"``; a parameter cut off from the
-                loss keeps its value however training looks), or be named in
-                ``expected_unused`` (selectors, as for ``freeze``).
-            expected_unused: parameters allowed to go unreached on this step.
-            checks: which of :data:`CHECKS` to run. ``"ranks"`` is a collective (every rank
-                must call it) and gives one verdict: the ranks also exchange what the other
-                checks found, so a violation seen on one rank only (a frozen shard that
-                moved is seen by its owner alone) is raised on every rank, naming the rank,
-                instead of leaving the others waiting in the next collective.
+                parameter must be reached by it, or match ``expected_unused`` (selectors).
+            checks: which of :data:`~isolate.spec.cadence.CHECKS` to run. ``"ranks"`` is a
+                collective with one verdict: a violation seen on one rank is raised on all.
             on_violation: ``"raise"`` the first violation, or ``"warn"`` about each.
-            when: how messages say when this was (default: the epoch and step of the last
-                :meth:`step`).
+            when: how messages say when (default: the position of the last :meth:`step`).
 
         Returns:
             A :class:`~isolate.spec.checks.Verification` saying what was checked.
 
         Raises:
             GradientLeakError, CutOffError, DriftError, RankDivergenceError: a violation.
-            BlindSpotError: ``total`` holds a reentrant checkpoint, so whether some
-                parameters are reached cannot be told.
-            SpecError: ``protect`` names a loss that is not in ``losses``, or a branch ran more
-                often than recorded since the last :meth:`step`.
+            BlindSpotError: part of ``total``'s graph cannot be seen.
+            SpecError: ``protect`` names a loss not in ``losses``, or a branch ran more often
+                than recorded since the last :meth:`step`.
         """
         self._require_active("verify")
         unknown = sorted(set(checks) - set(CHECKS))
         if unknown:
-            raise SpecError(
-                f"{self._caller}.verify(): unknown checks {unknown}; use {list(CHECKS)}"
-            )
+            raise SpecError(f"{self.caller}.verify(): unknown checks {unknown}; use {list(CHECKS)}")
         when = when or f"at epoch {self.position['epoch']}, step {self.position['global_step']}"
         verification, found, self._watch = run_checks(
             self.plan,
@@ -321,13 +280,36 @@ class IsolationHandle:
             self._link.optimizers,
             checks,
             when,
-            self._caller,
+            self.caller,
         )
         if found and on_violation == "raise":
             raise found[0]
         for error in found:
             self._warn(str(error))
         return verification
+
+    def check_every(
+        self,
+        every: int,
+        *,
+        expected_unused: Sequence[str] = (),
+        on_violation: Literal["raise", "warn"] = "raise",
+        losses_hint: str | None = None,
+    ) -> Loop:
+        """Check on a schedule from now on: every ``every`` optimizer steps, and on the first
+        step after a thaw. Returns the :class:`~isolate.spec.cadence.Loop` (also
+        ``handle.loop``) whose ``begin_step`` / ``before_backward`` / ``end_step`` a training
+        loop calls; see there.
+
+        Raises:
+            SpecError: ``every`` is not an integer >= 0, or ``on_violation`` is unknown.
+        """
+        cadence = Cadence(every, tuple(expected_unused), on_violation)
+        if losses_hint is not None:
+            cadence.losses_hint = losses_hint
+        cadence.validate(self.caller)
+        self.loop = Loop(self, cadence)
+        return self.loop
 
     def _new_watch(self) -> Snapshot:
         return watch(
@@ -365,7 +347,7 @@ class IsolationHandle:
             self._thaws.applied,
             self._thaws.phases.state_dict(),
             self._link.optimizers,
-            self._caller,
+            self.caller,
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -379,8 +361,8 @@ class IsolationHandle:
                 malformed or inconsistent; the handle is left as it was.
         """
         self._require_active("load_state_dict")
-        entries = check_state(self.plan.record(), state, self.plan.group_names, self._caller)
-        self._thaws.phases.load_state_dict(state.get("phases"), self._caller)
+        entries = check_state(self.plan.record(), state, self.plan.group_names, self.caller)
+        self._thaws.phases.load_state_dict(state.get("phases"), self.caller)
         self._thaws.load(entries, list(state["frozen"]))
         if self._watch is not None:
             self._watch = self._new_watch()
@@ -388,7 +370,7 @@ class IsolationHandle:
     def _require_active(self, what: str) -> None:
         if not self._active:
             raise SpecError(
-                f"{self._caller}.{what}(): the handle was restored; apply the spec again"
+                f"{self.caller}.{what}(): the handle was restored; apply the spec again"
             )
 
     def __repr__(self) -> str:

@@ -9,16 +9,19 @@ same spec drives a plain PyTorch loop, Lightning Fabric, and the Lightning callb
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 from torch import nn
 
+from isolate._sharding import check_wrappers, settle
+from isolate.errors import IsolationTypeError, SpecError
 from isolate.spec.data import SpecData
-from isolate.spec.handle import IsolationHandle
-from isolate.spec.optimizers import Optimizers
+from isolate.spec.handle import IsolationHandle, warn_user
+from isolate.spec.optimizers import Optimizers, as_optimizers, place
+from isolate.spec.plan import resolve
 
-__all__ = ["IsolationSpec"]
+__all__ = ["IsolationSpec", "apply"]
 
 
 class IsolationSpec(SpecData):
@@ -85,7 +88,7 @@ class IsolationSpec(SpecData):
             SpecError: the spec does not fit the model or the optimizer. On any error the
                 model (and the optimizer) are exactly as before.
         """
-        return IsolationHandle.apply(self, model, optimizer, drift=drift)
+        return apply(self, model, optimizer, drift=drift)
 
     @contextlib.contextmanager
     def applied(
@@ -112,3 +115,41 @@ class IsolationSpec(SpecData):
         finally:
             if handle.active:
                 handle.restore()
+
+
+def apply(
+    spec: SpecData,
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    caller: str = "IsolationSpec",
+    warn: Callable[[str], None] = warn_user,
+    drift: Literal["fingerprint", "copy"] = "fingerprint",
+) -> IsolationHandle:
+    """Resolve ``spec`` on ``model``, check it whole, then change: what
+    :meth:`IsolationSpec.apply` does, with the caller and warning channel of an integration.
+
+    Raises:
+        As :meth:`IsolationSpec.apply`; on any error the model and optimizer are as before.
+    """
+    if not isinstance(spec, SpecData):
+        raise IsolationTypeError(f"{caller}: spec must be an IsolationSpec, got {type(spec)}")
+    settle(model)  # FSDP2: resolve and flip the sharded parameters, not temporaries
+    check_wrappers(model, {}, caller, warn)  # FSDP1 flat parameters: refuse first
+    plan = resolve(spec, model, caller)
+    check_wrappers(model, plan.frozen, caller, warn)  # FSDP1 mixed units: warn
+    optimizers = as_optimizers(optimizer, caller)
+    if optimizers:
+        place(plan, optimizers, set(), caller)  # only to refuse before anything changes
+    if drift not in ("fingerprint", "copy"):
+        raise SpecError(f"{caller}: drift must be 'fingerprint' or 'copy', got {drift!r}")
+    handle = IsolationHandle(plan, caller=caller, warn=warn)
+    handle.drift = drift
+    handle.start()
+    if optimizers:
+        try:
+            handle.attach(optimizers)
+        except BaseException:
+            handle.restore()
+            raise
+    return handle
