@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["shown"]
+__all__ = ["counted", "shown"]
 
 
 def shown(names: Iterable[str], *, limit: int = 8) -> str:
@@ -17,3 +17,14 @@ def shown(names: Iterable[str], *, limit: int = 8) -> str:
     head = ", ".join(repr(n) for n in listed[:limit])
     more = f", ... and {len(listed) - limit} more" if len(listed) > limit else ""
     return f"[{head}{more}]"
+
+
+def counted(names: list[str], noun: str, *, limit: int = 5) -> str:
+    """``parameters 'a', 'b' and N more`` (singular for one name), for running text.
+
+    >>> counted(["w"], "parameter"), counted(["a", "b", "c"], "parameter", limit=2)
+    ("parameter 'w'", "parameters 'a', 'b' and 1 more")
+    """
+    head = ", ".join(repr(n) for n in names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{noun}{'s' if len(names) > 1 else ''} {head}{more}"

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
+from isolate._holding import pop_hold, push_hold
 from isolate._selectors import Selector, check_module, is_float, select
+from isolate._text import counted
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
 from isolate.errors import IsolationTypeError, IsolationWarning, RestoreError, SelectorError
@@ -69,52 +71,6 @@ _sequence = _Sequence()
 _active: weakref.WeakSet[FreezeHandle] = weakref.WeakSet()
 
 
-class _NormPolicy:
-    """The stack of BatchNorm policies pushed on one module, and the forward pre-hook that
-    enforces the top one.
-
-    The object *is* the hook and lives only in the module's ``_forward_pre_hooks``, so it
-    travels with the module through ``copy.deepcopy``, pickling and ``torch.save``: a copy's
-    policy is found on the copy, and releasing it never touches the original. A forward
-    pre-hook is used rather than an override of ``train()`` because Lightning's evaluation
-    loop restores modes by assigning ``module.training`` directly.
-    """
-
-    def __init__(self) -> None:
-        self.stack: list[tuple[int, str]] = []
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if self.stack and self.stack[-1][1] == "eval":
-            module.training = False
-
-
-def _find_policy(module: nn.Module) -> tuple[int, _NormPolicy] | None:
-    for key, hook in module._forward_pre_hooks.items():
-        if isinstance(hook, _NormPolicy):
-            return key, hook
-    return None
-
-
-def _push_policy(module: nn.Module, seq: int, policy: str) -> None:
-    found = _find_policy(module)
-    if found is None:
-        state = _NormPolicy()
-        module.register_forward_pre_hook(state)
-    else:
-        state = found[1]
-    state.stack.append((seq, policy))
-
-
-def _pop_policy(module: nn.Module, seq: int) -> None:
-    found = _find_policy(module)
-    if found is None:
-        return
-    key, state = found
-    state.stack = [entry for entry in state.stack if entry[0] != seq]
-    if not state.stack:
-        del module._forward_pre_hooks[key]
-
-
 _dtype = operator.attrgetter("dtype")
 # Types whose requires_grad_ is torch's own, so assigning .requires_grad does the same thing
 # (the same leaf and inference-tensor checks) at half the cost of the method call. A subclass
@@ -139,8 +95,8 @@ def _check_params(
     if any(issubclass(kind, UninitializedParameter) for kind in kinds):
         lazy = [name for name, p in params.items() if isinstance(p, UninitializedParameter)]
         raise IsolationTypeError(
-            f"{caller}: {_names(lazy)} of {type(model).__name__} are uninitialized lazy "
-            f"parameters (UninitializedParameter, from nn.LazyLinear and friends), whose "
+            f"{caller}: {counted(lazy, 'parameter')} of {type(model).__name__} are "
+            f"uninitialized lazy parameters (UninitializedParameter, from nn.LazyLinear and friends), whose "
             f"requires_grad cannot be set; nothing was changed. Fix: run one forward pass with "
             f"a sample batch first, so they are created, then call {caller} again"
         )
@@ -162,8 +118,8 @@ def _check_params(
         ]
         if stuck:
             raise IsolationTypeError(
-                f"{caller}: {_names(stuck)} of {type(model).__name__} were created under "
-                f"torch.inference_mode(), so requires_grad=True can never be set on them "
+                f"{caller}: {counted(stuck, 'parameter')} of {type(model).__name__} were "
+                f"created under torch.inference_mode(), so requires_grad=True can never be set on them "
                 f"again and this change could not be undone; nothing was changed. Fix: create "
                 f"the model outside inference_mode (or clone its parameters outside it)"
             )
@@ -189,12 +145,6 @@ def _write_flags(params: list[nn.Parameter], flags: list[bool] | bool, plain: bo
     else:
         for p, flag in zip(params, flags, strict=True):
             p.requires_grad_(flag)
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:5])
-    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-    return f"parameter{'s' if len(names) > 1 else ''} {shown}{more}"
 
 
 class FreezeHandle:
@@ -275,7 +225,7 @@ class FreezeHandle:
                         # A zero-filled grad would still let weight decay and momentum move p.
                         p.grad = None
             for m in norms.values():
-                _push_policy(m, self._seq, bn)
+                push_hold(m, self._seq, bn)
                 pushed.append(m)
                 m.training = False if bn == "eval" else train_mode
         except BaseException:
@@ -286,7 +236,7 @@ class FreezeHandle:
     def _undo(self, pushed: list[nn.Module]) -> None:
         _write_flags(self._params, self._flags, self._plain)
         for m in pushed:
-            _pop_policy(m, self._seq)
+            pop_hold(m, self._seq)
         for m, training in self._modules:
             m.training = training
         self._active = False
@@ -327,7 +277,7 @@ class FreezeHandle:
             )
         _write_flags(self._params, self._flags, self._plain)
         for m, training in self._modules:
-            _pop_policy(m, self._seq)
+            pop_hold(m, self._seq)
             m.training = training
         self._active = False
         _active.discard(self)

@@ -24,7 +24,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import isolate
 import isolate.errors
 import isolate.freezing
-from isolate import Cloned, Detached, Frozen, freezing
+from isolate import Cloned, Detached, Frozen, _holding, freezing
 from isolate.errors import RestoreError, WrappingError
 from isolate.freezing import FreezeHandle
 
@@ -143,7 +143,7 @@ def test_a_loaded_handle_keeps_its_place_in_the_nesting_order() -> None:
     wrapped = Frozen(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     # As if written by a process that had made many handles before: the handle loaded from
     # it must still count as older than one made afterwards in this process.
-    policy = freezing._find_policy(wrapped.module[1])[1]  # type: ignore[index]
+    policy = _holding.find_hold(wrapped.module[1])[1]  # type: ignore[index]
     shifted = wrapped._handle._seq + 10**6
     wrapped._handle._seq, policy.stack = shifted, [(shifted, "eval")]
     loaded = pickle.loads(pickle.dumps(wrapped))
