@@ -9,7 +9,6 @@ module twin.
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 import warnings
 import weakref
@@ -18,14 +17,13 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.nn.parameter import UninitializedParameter
 
+from isolate._flags import check_params, write_flags
 from isolate._holding import pop_hold, push_hold
-from isolate._selectors import Selector, check_module, is_float, select
-from isolate._text import counted
+from isolate._selectors import Selector, check_module, select
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
-from isolate.errors import IsolationTypeError, IsolationWarning, RestoreError, SelectorError
+from isolate.errors import IsolationWarning, RestoreError, SelectorError
 from isolate.exposure import Exposure, optimizer_exposure, unwrap_optimizer
 
 __all__ = ["FreezeHandle", "Frozen", "freeze", "frozen", "is_frozen", "unfreeze", "unfrozen"]
@@ -69,82 +67,6 @@ class _Sequence:
 
 _sequence = _Sequence()
 _active: weakref.WeakSet[FreezeHandle] = weakref.WeakSet()
-
-
-_dtype = operator.attrgetter("dtype")
-# Types whose requires_grad_ is torch's own, so assigning .requires_grad does the same thing
-# (the same leaf and inference-tensor checks) at half the cost of the method call. A subclass
-# may override requires_grad_, and then gets its method called.
-_PLAIN = frozenset({nn.Parameter, torch.Tensor})
-
-
-def _check_params(
-    model: nn.Module, caller: str, params: dict[str, nn.Parameter], requires_grad: bool
-) -> tuple[list[nn.Parameter], bool]:
-    """Everything that could make a flag flip fail, checked before the first one.
-
-    Returns the parameters as a list, and whether all of them are of a type in ``_PLAIN``.
-
-    Each check is one C-level pass (over the distinct types, dtypes, or ``is_inference``)
-    that finds whether anything is wrong; only then are the culprits named, by a second pass.
-    On 10,000 tensors a Python-level ``isinstance`` per parameter alone cost as much as the
-    flag flips it guards.
-    """
-    values = list(params.values())
-    kinds = set(map(type, values))
-    if any(issubclass(kind, UninitializedParameter) for kind in kinds):
-        lazy = [name for name, p in params.items() if isinstance(p, UninitializedParameter)]
-        raise IsolationTypeError(
-            f"{caller}: {counted(lazy, 'parameter')} of {type(model).__name__} are "
-            f"uninitialized lazy parameters (UninitializedParameter, from nn.LazyLinear and friends), whose "
-            f"requires_grad cannot be set; nothing was changed. Fix: run one forward pass with "
-            f"a sample batch first, so they are created, then call {caller} again"
-        )
-    if requires_grad and not all(
-        d.is_floating_point or d.is_complex for d in set(map(_dtype, values))
-    ):
-        integral = [name for name, p in params.items() if not is_float(p)]
-        raise IsolationTypeError(
-            f"{caller}: parameters {integral} are not floating point, so they cannot "
-            f"require grad; leave them out of the selection (e.g. with a predicate)"
-        )
-    # requires_grad=True cannot be set on an inference tensor (a parameter created under
-    # torch.inference_mode()): not by unfreeze, and not by the restore() of a freeze.
-    if any(map(torch.Tensor.is_inference, values)):
-        stuck = [
-            name
-            for name, p in params.items()
-            if p.is_inference() and p.requires_grad != requires_grad
-        ]
-        if stuck:
-            raise IsolationTypeError(
-                f"{caller}: {counted(stuck, 'parameter')} of {type(model).__name__} were "
-                f"created under torch.inference_mode(), so requires_grad=True can never be set on them "
-                f"again and this change could not be undone; nothing was changed. Fix: create "
-                f"the model outside inference_mode (or clone its parameters outside it)"
-            )
-    return values, kinds <= _PLAIN
-
-
-def _write_flags(params: list[nn.Parameter], flags: list[bool] | bool, plain: bool) -> None:
-    """Set ``requires_grad`` of each parameter to its flag (or all to one flag)."""
-    if isinstance(flags, list):
-        trues = flags.count(True)
-        if trues in (0, len(flags)):  # one flag for all (the common case): a loop without zip
-            flags = trues > 0
-    if isinstance(flags, bool):
-        if plain:
-            for p in params:
-                p.requires_grad = flags
-        else:
-            for p in params:
-                p.requires_grad_(flags)
-    elif plain:
-        for p, flag in zip(params, flags, strict=True):
-            p.requires_grad = flag
-    else:
-        for p, flag in zip(params, flags, strict=True):
-            p.requires_grad_(flag)
 
 
 class FreezeHandle:
@@ -199,7 +121,7 @@ class FreezeHandle:
         bn: str,
     ) -> None:
         bn = _check_bn(bn, caller)
-        values, plain = _check_params(model, caller, params, requires_grad)
+        values, plain = check_params(model, caller, params, requires_grad)
         self._seq = _sequence.take()
         self._caller = caller
         self._model_name = type(model).__name__
@@ -218,7 +140,7 @@ class FreezeHandle:
         train_mode = model.training
         pushed: list[nn.Module] = []
         try:
-            _write_flags(values, requires_grad, self._plain)
+            write_flags(values, requires_grad, self._plain)
             if not requires_grad:
                 for p in values:
                     if p.grad is not None:
@@ -234,7 +156,7 @@ class FreezeHandle:
         _active.add(self)
 
     def _undo(self, pushed: list[nn.Module]) -> None:
-        _write_flags(self._params, self._flags, self._plain)
+        write_flags(self._params, self._flags, self._plain)
         for m in pushed:
             pop_hold(m, self._seq)
         for m, training in self._modules:
@@ -275,7 +197,7 @@ class FreezeHandle:
                 f"hold parameters this one set ({names[:5]}...); restore the newest first, "
                 f"or use the context managers frozen()/unfrozen(), which nest correctly"
             )
-        _write_flags(self._params, self._flags, self._plain)
+        write_flags(self._params, self._flags, self._plain)
         for m, training in self._modules:
             pop_hold(m, self._seq)
             m.training = training
@@ -522,7 +444,7 @@ class Frozen(Wrapper):
         }
         # Checked before the wrapper registers itself, so a refused module is left as it was
         # and can be wrapped once the problem is fixed.
-        _check_params(module, caller, params, False)
+        check_params(module, caller, params, False)
         super().__init__(module)
         self._handle = FreezeHandle(module, caller, params, norms, False, "eval")
 
