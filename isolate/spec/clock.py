@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -22,10 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from isolate.errors import CheckpointMismatchError, SpecError
 from isolate.spec.thaw import Thaw
 
-__all__ = ["Clock", "Phases", "Plateau", "Shaper", "ramp"]
-
-Clock = Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
-"""Returns (where training is now, where it was at the thaw): ``{"epoch", "global_step"}``."""
+__all__ = ["Phases", "Plateau", "Shaper", "ramp"]
 
 
 def ramp(thaw: Thaw, *, steps: int, epochs: int) -> float:
@@ -69,7 +66,8 @@ class Shaper:
         reference: the index of the group to follow with ``align`` (where the parameters came
             from).
         thaw: the step's declaration.
-        clock: where training is, and where it was at the thaw.
+        now: where training is (read at each step; the handle keeps it current).
+        at: where training was at the thaw.
     """
 
     def __init__(
@@ -78,9 +76,11 @@ class Shaper:
         group: dict[str, Any],
         reference: int,
         thaw: Thaw,
-        clock: Clock,
+        now: Mapping[str, int],
+        at: Mapping[str, int],
     ) -> None:
-        self.opt, self.reference, self.thaw, self.clock = opt, reference, thaw, clock
+        self.opt, self.reference, self.thaw = opt, reference, thaw
+        self.now, self.at = now, at
         self._param = group["params"][0]
         self._group = group
         self._saved: float | None = None
@@ -98,7 +98,7 @@ class Shaper:
 
     def lr(self) -> float:
         """The lr the group steps with now."""
-        now, at = self.clock()
+        now, at = self.now, self.at
         factor = ramp(
             self.thaw,
             steps=now["global_step"] - at["global_step"],

@@ -28,7 +28,6 @@ from isolate.spec.checks import (
     run_checks,
     watch,
 )
-from isolate.spec.clock import Clock
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
@@ -85,11 +84,11 @@ class IsolationHandle:
         self._warn = warn
         self._freeze: FreezeHandle | None = None
         self._branches = Branches()
-        self._link = OptimizerLink(caller, warn, self._clock)
+        self.position = {"epoch": 0, "global_step": 0}  # updated in place: the link reads it
+        self._link = OptimizerLink(caller, warn, self.position)
         self._thaws = Thaws(plan, self._link, caller)
         self.drift: Literal["fingerprint", "copy"] = "fingerprint"
         self._watch: Snapshot | None = None
-        self.position = {"epoch": 0, "global_step": 0}
         self._active = False
         self.loop = Loop(self, Cadence())
 
@@ -160,7 +159,7 @@ class IsolationHandle:
             self.plan,
             opts,
             schedulers,
-            list(self._thaws.applied),
+            dict(self._thaws.applied),
             self.frozen_parameters(),
             warn=not built_before_apply,
         )
@@ -204,7 +203,7 @@ class IsolationHandle:
             The names of the groups thawed by this call, in schedule order.
         """
         self._require_active("step")
-        self.position = {"epoch": int(epoch), "global_step": int(step)}
+        self.position.update(epoch=int(epoch), global_step=int(step))
         self._branches.reset(record=record)
         due = self.due(epoch=epoch, step=step)
         for name in due:
@@ -229,9 +228,6 @@ class IsolationHandle:
         """
         self._require_active("observe")
         return self._thaws.phases.observe(metrics, list(self._thaws.applied), self.caller)
-
-    def _clock(self, name: str) -> Clock:
-        return lambda: (self.position, self._thaws.applied[name])
 
     def verify(
         self,

@@ -18,7 +18,7 @@ import isolate.spec.lr_schedulers as lr_schedulers
 from isolate._text import shown
 from isolate.errors import IsolationTypeError, SpecError
 from isolate.exposure import unwrap_optimizer, zero_grad_risks
-from isolate.spec.clock import Clock, Shaper
+from isolate.spec.clock import Shaper
 from isolate.spec.plan import Group, Plan
 
 __all__ = [
@@ -271,11 +271,11 @@ class OptimizerLink:
         self,
         caller: str,
         warn: Callable[[str], None],
-        clock: Callable[[str], Clock] | None = None,
+        now: Mapping[str, int],
     ) -> None:
         self.caller = caller
         self.warn = warn
-        self.clock = clock  # group name -> where training is now and was at its thaw
+        self.now = now  # where training is: the handle's position, read when a group steps
         self.shapers: dict[str, Shaper] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
@@ -288,13 +288,13 @@ class OptimizerLink:
         plan: Plan,
         optimizers: Sequence[torch.optim.Optimizer],
         schedulers: Sequence[Any],
-        thawed: Sequence[str],
+        thawed: Mapping[str, Mapping[str, int]],
         frozen: Mapping[str, nn.Parameter],
         *,
         warn: bool = True,
     ) -> None:
         """Take the frozen parameters out (saying so when ``warn``); re-add the groups in
-        ``thawed``, in that order."""
+        ``thawed`` (name -> where training was at its thaw), in that order."""
         held, placements = place(plan, optimizers, set(thawed), self.caller)
         for g in plan.groups:  # refuse before anything changes, not at the thaw
             where = f"{self.caller}: thaw group {g.name!r}"
@@ -310,8 +310,8 @@ class OptimizerLink:
         take_out(optimizers, held)
         if exposed and warn:
             self._warn_removed(plan, exposed)
-        for name in thawed:
-            self.join(plan.group(name), None, None)
+        for name, at in thawed.items():
+            self.join(plan.group(name), None, None, at)
 
     def _warn_removed(self, plan: Plan, exposed: Sequence[Slot]) -> None:
         by_group: dict[tuple[int, int], list[str]] = {}
@@ -332,8 +332,11 @@ class OptimizerLink:
             + "\nTo silence this, build the optimizer from trainable parameters only."
         )
 
-    def join(self, g: Group, optimizer: object, lr: float | None) -> dict[str, Any] | None:
-        """Add thaw group ``g`` to its optimizer (or ``optimizer``: an index or the object)."""
+    def join(
+        self, g: Group, optimizer: object, lr: float | None, at: Mapping[str, int]
+    ) -> dict[str, Any] | None:
+        """Add thaw group ``g``, thawed at position ``at``, to its optimizer (or
+        ``optimizer``: an index or the object)."""
         if not self.optimizers:
             return None
         index = self.placements[g.name].optimizer_idx
@@ -359,9 +362,9 @@ class OptimizerLink:
         source = placement.source if index == placement.optimizer_idx else None
         group = add_group(opt, list(g.params.values()), options, self.schedulers, source=source)
         self._added[g.name] = (opt, group)
-        if self.clock is not None and (g.thaw.warmup_ratio is not None or g.thaw.align):
+        if g.thaw.warmup_ratio is not None or g.thaw.align:
             reference = source if source is not None else 0
-            self.shapers[g.name] = Shaper(opt, group, reference, g.thaw, self.clock(g.name))
+            self.shapers[g.name] = Shaper(opt, group, reference, g.thaw, self.now, dict(at))
         return group
 
     def unjoin(self, name: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from isolate import errors
+import isolate.errors as errors
 from isolate._text import shown
 from isolate.errors import IsolationError, RankDivergenceError
 from isolate.fingerprints import fingerprint

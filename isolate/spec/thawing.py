@@ -56,7 +56,7 @@ class Thaws:
         )
         self.applied[name] = dict(position)
         try:
-            return self.link.join(g, optimizer, lr)
+            return self.link.join(g, optimizer, lr, self.applied[name])
         except BaseException:
             self.unthaw(name)
             raise
