@@ -32,7 +32,7 @@ __all__ = [
     "take_out",
 ]
 
-Optimizers: TypeAlias = "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None"
+Optimizers: TypeAlias = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 """One optimizer, several, or none."""
 
 
