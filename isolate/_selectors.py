@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias, TypeGuard
 
@@ -22,6 +23,7 @@ __all__ = [
     "describe",
     "resolve_named",
     "select",
+    "select_names",
 ]
 
 Selector: TypeAlias = str | nn.Module | nn.Parameter | Callable[[str, nn.Parameter], bool]
@@ -462,3 +464,79 @@ def resolve_named(target: object, model: nn.Module | None, caller: str) -> list[
             f"lists rather than generators (a generator is empty the second time)"
         )
     return list(out.values())
+
+
+def select_names(
+    names: Sequence[str],
+    selectors: Sequence[str],
+    caller: str,
+    *,
+    where: str = "the names",
+    each_must_match: bool = True,
+) -> list[str]:
+    """The names ``selectors`` pick out of ``names`` by name alone, with no model: the string
+    grammar of :data:`Selector` (exact names, dotted prefixes, globs where ``*`` crosses dots,
+    ``!`` exclusions) over a list such as a checkpoint's keys.
+
+    A ``type:`` selector needs the modules' classes, which names do not tell, and is refused.
+    With ``each_must_match`` a selector that picks nothing, or an exclusion that takes
+    nothing out, is an error naming the closest names; without it, it picks nothing.
+
+    >>> keys = ["trunk.0.weight", "trunk.1.running_mean", "head.weight", "head.bias"]
+    >>> select_names(keys, ["trunk", "*.bias"], "doc")
+    ['trunk.0.weight', 'trunk.1.running_mean', 'head.bias']
+    >>> select_names(keys, ["!head"], "doc")
+    ['trunk.0.weight', 'trunk.1.running_mean']
+    >>> select_names(keys, ["trunc"], "doc", where="the keys of base.pt")
+    Traceback (most recent call last):
+    ...
+    isolate.errors.SelectorError: doc: 'trunc' matched none of the keys of base.pt; closest: ...
+    """
+    for selector in selectors:
+        if not isinstance(selector, str) or not selector:
+            raise SelectorError(
+                f"{caller}: selectors of names must be non-empty strings, got {selector!r}"
+            )
+    split, excluded = _split(tuple(selectors), caller)
+    picking = [str(s) for s in split]
+    for selector in (*picking, *excluded):
+        if _is_type(selector):
+            raise SelectorError(
+                f"{caller}: {selector!r} selects by module class, which {where} do not tell "
+                f"(there is no model); select by name or glob instead ('trunk', '*.norm.*')"
+            )
+        if _is_glob(selector):
+            _check_glob(selector, caller)
+
+    def pick(selector: str) -> set[str]:
+        if _is_glob(selector):
+            match = _glob_match([selector])
+            found = {n for n in names if match(n)}
+        else:
+            inside = selector + "."
+            found = {n for n in names if n == selector or n.startswith(inside)}
+        if not found and each_must_match:
+            close = difflib.get_close_matches(selector, _prefixes(names), n=3, cutoff=0.5)
+            hint = f"closest: {close}" if close else f"they start {sorted(names)[:5]}"
+            raise SelectorError(f"{caller}: {selector!r} matched none of {where}; {hint}")
+        return found
+
+    chosen = set().union(*map(pick, picking)) if picking else set(names)
+    for body in excluded:
+        removed = pick(body)
+        if each_must_match and not removed & chosen:
+            raise SelectorError(
+                f"{caller}: the exclusion {_NOT + body!r} takes nothing out of "
+                f"{list(picking) or 'everything'} in {where}; remove it, or fix the name"
+            )
+        chosen -= removed
+    return [n for n in names if n in chosen]
+
+
+def _prefixes(names: Sequence[str]) -> list[str]:
+    """Every name and every dotted prefix of one: the candidates for a misspelt selector."""
+    out: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        out.update((".".join(parts[:i]), None) for i in range(1, len(parts) + 1))
+    return list(out)

@@ -3,13 +3,19 @@
 Every error the library raises derives from :class:`IsolationError`, and each subclass also
 inherits the builtin that fits, so ``except ValueError`` keeps working for callers that do not
 know about ``isolate``.
+
+Certifying checkpoints (:mod:`isolate.certify`) adds ``CertificateError`` (a
+``ValueError``: a claim that does not fit the files) and its subclass ``CheckpointReadError``
+(a file that cannot be read safely: truncated, not weights-only, of an unknown format).
 """
 
 from __future__ import annotations
 
 __all__ = [
     "BlindSpotError",
+    "CertificateError",
     "CheckpointMismatchError",
+    "CheckpointReadError",
     "CutOffError",
     "DriftError",
     "GradientLeakError",
@@ -90,3 +96,13 @@ class UnsupportedStrategyError(SpecError):
 
 class IsolationWarning(UserWarning):
     """Isolation holds for now, but something could quietly break it (see the message)."""
+
+
+class CertificateError(IsolationError, ValueError):
+    """Checkpoints cannot be certified as asked: a claim names no key, a tensor's shape or
+    dtype differs between the files, an adapter does not fit its base."""
+
+
+class CheckpointReadError(CertificateError):
+    """A checkpoint cannot be read safely: truncated, not a weights-only pickle, or of a
+    format that is not recognised."""

@@ -1,0 +1,208 @@
+"""``certify()``: check every input, then make one streaming pass, then write the certificate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from isolate._selectors import select_names
+from isolate.certify.certificate import (
+    Certificate,
+    FileHash,
+    FileRecord,
+    Verdict,
+    hash_file,
+    versions,
+)
+from isolate.certify.checkpoint import WINDOW, Checkpoint, open_checkpoint
+from isolate.certify.claims import (
+    BUFFERS,
+    CALLER,
+    Claim,
+    load_spec,
+    spec_claims,
+    with_rows,
+    with_ties,
+)
+from isolate.certify.engine import Pass, run
+from isolate.certify.peft import LoraConfig, adapter_claims
+from isolate.errors import CertificateError
+from isolate.spec import IsolationSpec
+
+__all__ = ["certify"]
+
+
+def _claims(
+    base: Checkpoint,
+    spec: IsolationSpec | None,
+    config: LoraConfig | None,
+    adapter: Checkpoint | None,
+    rows: Mapping[str, Sequence[int]] | None,
+    buffers: Sequence[str],
+) -> dict[str, Claim]:
+    where = base.path.name
+    if spec is not None and config is not None:
+        raise CertificateError(
+            f"{CALLER}: give spec= or adapter_config=, not both: a spec describes a training "
+            f"run, an adapter config a merge"
+        )
+    if spec is not None:
+        claims = spec_claims(spec, base.metas, buffers=buffers, where=where)
+    elif config is not None:
+        claims = adapter_claims(config, base.metas, adapter, buffers=buffers, where=where)
+    else:
+        claims = {k: Claim("free", "no claim") for k in base.metas}
+    with_rows(claims, rows or {}, base.metas, where=where)
+    return claims
+
+
+def _check_pairs(base: Checkpoint, tuned: Checkpoint, ignored: frozenset[str]) -> None:
+    """Every key in both files has one dtype and shape (else the comparison means nothing)."""
+    for key, meta in base.metas.items():
+        other = tuned.metas.get(key)
+        if key in ignored or other is None or other == meta:
+            continue
+        what = "dtype" if other.dtype != meta.dtype else "shape"
+        raise CertificateError(
+            f"{base.where(key)} is {meta} but {tuned.where(key)} is {other}: the {what} "
+            f"differs, so bits cannot be compared; compare checkpoints of one {what}, or "
+            f"leave the key out with ignore="
+        )
+
+
+def _record(reader: Checkpoint, file_hash: FileHash) -> FileRecord:
+    hashes = (
+        {} if file_hash == "none" else {p.name: hash_file(p, file_hash) for p in reader.files()}
+    )
+    group = getattr(reader, "group", None)
+    return FileRecord(str(reader.path), reader.format, hashes, group, tuple(reader.skipped))
+
+
+def certify(
+    base: str | Path,
+    tuned: str | Path,
+    *,
+    spec: IsolationSpec | Mapping[str, Any] | str | Path | None = None,
+    adapter_config: LoraConfig | Mapping[str, Any] | str | Path | None = None,
+    adapter: str | Path | None = None,
+    rows: Mapping[str, Sequence[int]] | None = None,
+    ties: Sequence[Sequence[str]] = (),
+    detect_ties: bool = True,
+    buffers: Sequence[str] = BUFFERS,
+    ignore: Sequence[str] = (),
+    key: str | None = "auto",
+    prefix: str | None = None,
+    ulps: float = 2.0,
+    file_hash: FileHash = "xxh3",
+    window: int = WINDOW,
+) -> Certificate:
+    """Certify what a run froze, trained, merged and tied, from two checkpoints alone.
+
+    Reads ``base`` and ``tuned`` (safetensors files, ``torch.save`` files loaded
+    weights-only, or torch.distributed.checkpoint folders) one tensor at a time, and checks
+    each key against its claim: frozen tensors bitwise unchanged (per row where only rows
+    train), trainable tensors moved, buffers held as the spec says, merged weights equal to
+    base + LoRA delta within the dtype's rounding, tied tensors still tied, and no key
+    missing, unexpected or renamed.
+
+    Args:
+        base: the checkpoint before (the base model, the first checkpoint of a run).
+        tuned: the checkpoint after (fine-tuned, merged, or the last checkpoint).
+        spec: an :class:`~isolate.spec.IsolationSpec`, its dict, or a JSON/YAML file of it.
+            ``freeze`` selectors are matched against key names (``type:`` selectors need
+            the model and are refused).
+        adapter_config: a PEFT LoRA config (``adapter_config.json``, its folder or its dict),
+            for a ``tuned`` model merged from that adapter. Not with ``spec``.
+        adapter: the adapter's weights (``adapter_model.safetensors``): the merge is then
+            checked value by value, and ``modules_to_save`` against the adapter's copies.
+        rows: key -> the rows that train (``trainable_token_indices``): those rows must
+            move, every other row stay bitwise.
+        ties: groups of keys that must stay equal (``[["embed.weight", "head.weight"]]``).
+        detect_ties: also treat keys bitwise equal in ``base`` as tied (tensors holding one
+            value throughout, such as zero biases, are left out).
+        buffers: globs of the keys that are buffers (not trained by a loss).
+        ignore: selectors of keys to leave out (in both files).
+        key: where the weights sit in each file: ``"auto"`` (a Lightning checkpoint's
+            ``"state_dict"``, a distributed checkpoint's ``"model"``), a group name, or
+            ``None`` for the top level.
+        prefix: prefix the spec's selectors with this module name (a LightningModule that
+            holds the spec's model as ``self.net``: ``prefix="net"``).
+        ulps: the merge tolerance, in units of the dtype's rounding.
+        file_hash: ``"xxh3"`` (XXH3-128, as ``xxhsum -H2``), ``"sha256"`` or ``"none"``.
+        window: bytes read from one memory mapping before it is released.
+
+    Returns:
+        A :class:`~isolate.certify.certificate.Certificate`; ``.clean`` says whether every
+        claim holds.
+
+    Raises:
+        CertificateError: nothing to certify, a selector or row that names no key, a dtype
+            or shape that differs between the files, an adapter that does not fit its base.
+        CheckpointReadError: a file that is truncated, not weights-only, or not a checkpoint.
+        SelectorError: a spec selector that matches no key, or a ``type:`` selector.
+
+    >>> import torch, tempfile, os
+    >>> folder = tempfile.mkdtemp()
+    >>> before = {"trunk.weight": torch.randn(4, 4), "head.weight": torch.randn(2, 4)}
+    >>> after = {**before, "head.weight": before["head.weight"] + 0.1}
+    >>> torch.save(before, os.path.join(folder, "a.pt"))
+    >>> torch.save(after, os.path.join(folder, "b.pt"))
+    >>> cert = certify(os.path.join(folder, "a.pt"), os.path.join(folder, "b.pt"),
+    ...                spec={"freeze": ["trunk"]})
+    >>> cert.clean, cert.summary()
+    (True, ['trunk: 1 frozen, bitwise unchanged', 'head: 1 trainable, moved'])
+    """
+    parsed_spec = None if spec is None else load_spec(spec)
+    if parsed_spec is not None and prefix:
+        parsed_spec = parsed_spec.prefixed(prefix)
+    config = None if adapter_config is None else LoraConfig.load(adapter_config)
+    if parsed_spec is None and config is None and not rows and not ties:
+        raise CertificateError(
+            f"{CALLER}: nothing to certify: give spec=, adapter_config=, rows= or ties= (a "
+            f"certificate without claims would pass whatever the files hold)"
+        )
+    with ExitStack() as stack:
+        readers = [stack.enter_context(open_checkpoint(p, key=key)) for p in (base, tuned)]
+        for reader in readers:
+            reader.window = window
+        lora = None if adapter is None else stack.enter_context(open_checkpoint(adapter, key=None))
+        first, second = readers
+        names = list({**first.metas, **second.metas})
+        where = f"the keys of {first.path.name} and {second.path.name}"
+        ignored = frozenset(select_names(names, ignore, CALLER, where=where) if ignore else ())
+        claims = _claims(first, parsed_spec, config, lora, rows, buffers)
+        declared = with_ties(ties, first.metas, where=first.path.name)
+        _check_pairs(first, second, ignored)
+        job = Pass(first, second, claims, lora, declared, detect_ties, ulps, ignored)
+        records = [_record(r, file_hash) for r in readers]
+        verdicts: list[Verdict] = run(job)
+        notes = [
+            f"{name} in {second.path.name} is not referenced by its index (left by another save?)"
+            for name in second.unreferenced()
+        ]
+        return Certificate(
+            base=records[0],
+            tuned=records[1],
+            claims={
+                "spec": None if parsed_spec is None else parsed_spec.to_dict(),
+                "adapter_config": None if config is None else dict(config.raw),
+                "rows": {k: list(v) for k, v in (rows or {}).items()},
+                "ties": [list(t) for t in declared],
+                "detect_ties": detect_ties,
+                "buffers": list(buffers),
+                "ignore": list(ignore),
+                "key": key,
+                "prefix": prefix,
+            },
+            tolerances={
+                "frozen": "bitwise (XXH3-128 fingerprints of dtype, shape and bytes)",
+                "merge_ulps": ulps,
+                "merge_rule": "|merged - (W + scale*B@A)| <= ulps*eps(dtype)*(|exact|+|delta|)",
+            },
+            verdicts=tuple(verdicts),
+            versions=versions(),
+            adapter=None if lora is None else _record(lora, file_hash),
+            notes=tuple(notes),
+        )

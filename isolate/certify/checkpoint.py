@@ -1,0 +1,207 @@
+"""A checkpoint read one tensor at a time: what every format provides, and how a path is opened.
+
+A reader lists every tensor's dtype and shape from the file's own index (no tensor is read),
+then hands out one tensor at a time. The single-file formats hand out memory-mapped views;
+every ``window`` bytes handed out, the reader lets go of its mapping and maps the file again,
+so that the pages already read leave the process's resident memory (they stay in the page
+cache) and memory stays bounded whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar, Literal
+
+import torch
+
+from isolate.errors import CheckpointReadError
+
+__all__ = ["WINDOW", "Checkpoint", "Source", "TensorMeta", "choose_group", "open_checkpoint"]
+
+WINDOW = 64 << 20
+"""Bytes handed out from one mapping of a file before it is mapped afresh."""
+
+GROUPS = ("state_dict", "model", "module")
+"""Where the weights sit in a checkpoint that holds more than weights, tried in this order
+(``state_dict``: Lightning; ``model``: torch.distributed.checkpoint recipes)."""
+
+Kind = Literal["tensor", "group", "other"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor's dtype and shape, as the checkpoint's index gives them."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where part of a tensor is stored: a file of the checkpoint and the box it holds."""
+
+    file: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class Checkpoint(abc.ABC):
+    """One checkpoint: its tensors' metadata up front, then one tensor at a time.
+
+    Subclasses fill ``_metas`` (in the order reading is cheapest) and implement ``_read``
+    and ``_release``; ``read`` counts the bytes handed out and releases the mapping every
+    ``window`` bytes.
+    """
+
+    format: ClassVar[str]
+
+    def __init__(self, path: Path, *, window: int = WINDOW) -> None:
+        self.path = path
+        self.window = window
+        self._metas: dict[str, TensorMeta] = {}
+        self.skipped: list[str] = []  # entries that are not tensors (step counters, configs)
+        self._mapped = 0
+
+    @property
+    def metas(self) -> Mapping[str, TensorMeta]:
+        """Every tensor's dtype and shape by key, in reading order."""
+        return self._metas
+
+    def where(self, key: str | None = None) -> str:
+        """The file (and tensor) for a message: ``"base.pt, tensor 'head.weight'"``."""
+        return f"{self.path.name}, tensor {key!r}" if key is not None else self.path.name
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` (a view of the mapped file where the format allows)."""
+        meta = self._metas[key]
+        if self._mapped and self._mapped + meta.nbytes > self.window:
+            self._release()
+            self._mapped = 0
+        tensor = self._read(key)
+        self._mapped += meta.nbytes
+        if tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
+            raise CheckpointReadError(
+                f"{self.where(key)}: the index says {meta} but the data is "
+                f"{TensorMeta(tensor.dtype, tuple(tensor.shape))}; the file is corrupt: re-save it"
+            )
+        return tensor
+
+    def sources(self, key: str) -> list[Source]:
+        """Where the parts of ``key`` are stored (one part for single-file formats)."""
+        shape = self._metas[key].shape
+        return [Source(self.path.name, (0,) * len(shape), shape)]
+
+    @abc.abstractmethod
+    def files(self) -> list[Path]:
+        """The files that make up the checkpoint, for their hashes."""
+
+    def unreferenced(self) -> list[str]:
+        """Files beside the checkpoint's own that its index does not refer to."""
+        return []
+
+    @abc.abstractmethod
+    def _read(self, key: str) -> torch.Tensor: ...
+
+    def _release(self) -> None:  # noqa: B027 - formats without a mapping have nothing to drop
+        """Drop the mapping (the views handed out keep theirs alive until dropped)."""
+
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def choose_group(entries: Mapping[str, Kind], key: str | None, where: str) -> str | None:
+    """Which top-level group holds the weights: ``key`` if given (``""`` or ``None``: the top
+    level), else the top level when it holds tensors, else the first of :data:`GROUPS`."""
+    if key is not None and key != "auto":
+        if key == "":
+            return None
+        if entries.get(key) != "group":
+            groups = sorted(k for k, v in entries.items() if v == "group")
+            raise CheckpointReadError(
+                f"{where}: has no group {key!r} of tensors; its groups are {groups} "
+                f"(give key=None for the top level)"
+            )
+        return key
+    if any(kind == "tensor" for kind in entries.values()):
+        return None
+    for group in GROUPS:
+        if entries.get(group) == "group":
+            return group
+    groups = sorted(k for k, v in entries.items() if v == "group")
+    raise CheckpointReadError(
+        f"{where}: holds no tensors at its top level and none of the groups {list(GROUPS)}; "
+        f"its groups are {groups}: name the one with the weights, e.g. key={groups[:1] or ['']}"
+    )
+
+
+def _sniff(path: Path) -> str:
+    with path.open("rb") as f:
+        head = f.read(16)
+    if head.startswith(b"PK\x03\x04"):
+        return "torch"
+    if len(head) >= 9 and head[8:9] == b"{":
+        return "safetensors"
+    if head[:1] == b"\x80":
+        raise CheckpointReadError(
+            f"{path.name}: a plain pickle (or the legacy torch.save format), which cannot be "
+            f"memory-mapped or read weights-only; re-save it with torch.save (PyTorch >= 1.6) "
+            f"or as safetensors"
+        )
+    raise CheckpointReadError(
+        f"{path.name}: not a safetensors file, a torch.save zip file or a "
+        f"torch.distributed.checkpoint folder (it starts {head[:8]!r}); it may be truncated"
+    )
+
+
+def open_checkpoint(path: str | Path, *, key: str | None = "auto") -> Checkpoint:
+    """Open a safetensors file, a ``torch.save`` file or a torch.distributed.checkpoint folder.
+
+    Args:
+        path: the file or folder.
+        key: the group that holds the weights (a Lightning checkpoint's ``"state_dict"``);
+            ``"auto"`` takes the top level if it holds tensors, else the first of
+            :data:`GROUPS` present; ``None`` takes the top level.
+
+    Raises:
+        CheckpointReadError: the path does not exist, or is not a checkpoint that can be read
+            safely (a pickle that is not weights-only, a truncated file).
+    """
+    path = Path(path)
+    if path.is_dir():
+        from isolate.certify.dcp_folder import DcpCheckpoint
+
+        return DcpCheckpoint(path, key=key)
+    if not path.is_file():
+        raise CheckpointReadError(f"{path}: no such file or folder; check the path")
+    if _sniff(path) == "safetensors":
+        from isolate.certify.safetensors_file import SafetensorsCheckpoint
+
+        return SafetensorsCheckpoint(path, key=key)
+    from isolate.certify.torch_file import TorchCheckpoint
+
+    return TorchCheckpoint(path, key=key)

@@ -1,0 +1,207 @@
+"""Each verdict of a certificate, on small pairs in every format: frozen, trainable, buffers,
+thawed, rows, ties, and keys in one file only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _certify_data import FORMATS, SPEC, base_state, pair, trained
+
+from isolate.certify import certify
+from isolate.spec import IsolationSpec
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_run_as_declared_is_certified_clean(tmp_path: Path, fmt: str) -> None:
+    cert = certify(*pair(tmp_path, fmt, trained(base_state())), spec=SPEC)
+    assert cert.clean, str(cert)
+    by_key = {v.key: (v.claim, v.ok, v.finding) for v in cert.verdicts}
+    assert by_key["trunk.0.weight"] == ("frozen", True, "bitwise unchanged")
+    assert by_key["trunk.1.running_mean"] == ("held", True, "bitwise unchanged")
+    assert by_key["trunk.1.num_batches_tracked"] == ("held", True, "bitwise unchanged")
+    assert by_key["head.weight"] == ("trainable", True, "moved")
+    assert by_key["embed.weight = out.weight"] == ("tied", True, "still tied")
+    assert sorted(cert.summary()) == [
+        "embed: 1 trainable, moved",
+        "head: 2 trainable, moved",
+        "out: 1 trainable, moved",
+        "trunk: 4 frozen, bitwise unchanged; 3 held, bitwise unchanged",
+    ]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_frozen_tensor_that_changed_is_named_with_its_row(tmp_path: Path, fmt: str) -> None:
+    tuned = trained(base_state())
+    tuned["trunk.0.weight"][4, 2] += 1e-3
+    cert = certify(*pair(tmp_path, fmt, tuned), spec=SPEC)
+    assert not cert.clean
+    [fail] = cert.failures
+    assert (fail.key, fail.claim, fail.finding) == ("trunk.0.weight", "frozen", "changed")
+    assert "1 of 6 rows differ (rows [4])" in fail.detail
+    assert fail.base != fail.tuned
+
+
+def test_a_trainable_tensor_that_did_not_move_is_named(tmp_path: Path) -> None:
+    tuned = trained(base_state())
+    tuned["head.bias"] = base_state()["head.bias"]
+    cert = certify(*pair(tmp_path, "safetensors", tuned), spec=SPEC)
+    [fail] = cert.failures
+    assert (fail.key, fail.claim, fail.finding) == ("head.bias", "trainable", "did not move")
+
+
+def test_bn_train_lets_the_statistics_of_the_frozen_part_move(tmp_path: Path) -> None:
+    tuned = trained(base_state())
+    tuned["trunk.1.running_mean"] += 1.0
+    tuned["trunk.1.num_batches_tracked"] += 5
+    files = pair(tmp_path, "torch", tuned)
+    held = certify(*files, spec=SPEC)
+    assert {v.key for v in held.failures} == {"trunk.1.running_mean", "trunk.1.num_batches_tracked"}
+    free = certify(*files, spec={"freeze": ["trunk"], "bn": "train"})
+    assert free.clean
+    assert free.verdict("trunk.1.running_mean").claim == "free"
+    assert free.verdict("trunk.1.running_mean").finding == "moved"
+
+
+def test_buffers_outside_the_frozen_part_are_free_and_non_float_keys_never_trainable(
+    tmp_path: Path,
+) -> None:
+    tuned = trained(base_state())
+    tuned["trunk.1.running_mean"] += 1.0
+    cert = certify(*pair(tmp_path, "torch", tuned), spec={"freeze": ["trunk.0"]})
+    assert cert.verdict("trunk.1.running_mean").claim == "free"
+    # the BatchNorm's own parameters are not frozen: its statistics are not covered
+    assert cert.verdict("trunk.1.weight").claim == "trainable"
+    assert cert.verdict("trunk.1.num_batches_tracked").claim == "free"
+
+
+def test_a_frozen_module_covers_its_buffers_through_its_parameters(tmp_path: Path) -> None:
+    tuned = trained(base_state())
+    tuned["trunk.1.running_var"] += 1.0
+    cert = certify(
+        *pair(tmp_path, "torch", tuned),
+        spec={"freeze": ["trunk.1.weight", "trunk.1.bias", "trunk.0"]},
+    )
+    assert [v.key for v in cert.failures] == ["trunk.1.running_var"]
+    assert cert.failures[0].claim == "held"
+
+
+def test_thawed_keys_may_move_and_exclusions_apply(tmp_path: Path) -> None:
+    tuned = trained(base_state())
+    tuned["trunk.0.weight"] += 1.0
+    spec = IsolationSpec.from_dict(
+        {"freeze": ["trunk", "!trunk.1"], "thaw": [{"select": "trunk.0", "epoch": 2}]}
+    )
+    cert = certify(*pair(tmp_path, "safetensors", tuned), spec=spec)
+    assert cert.verdict("trunk.0.weight").claim == "free"
+    assert "thawed by the spec (trunk.0 at epoch 2)" in cert.verdict("trunk.0.weight").source
+    assert cert.verdict("trunk.0.weight").finding == "moved"
+    # excluded from freeze, so declared trainable; they did not move
+    assert {(v.key, v.claim, v.finding) for v in cert.failures} == {
+        ("trunk.1.weight", "trainable", "did not move"),
+        ("trunk.1.bias", "trainable", "did not move"),
+    }
+    assert cert.verdict("trunk.1.running_mean").claim == "free"
+
+
+def test_rows_frozen_except_the_listed_ones(tmp_path: Path) -> None:
+    base = base_state()
+    tuned = trained(base)
+    tuned["embed.weight"] = base["embed.weight"].clone()
+    tuned["embed.weight"][[2, 7]] += 1.0
+    tuned["out.weight"] = tuned["embed.weight"].clone()
+    files = pair(tmp_path, "torch", tuned)
+    cert = certify(*files, spec=SPEC, rows={"embed.weight": [2, 7]})
+    assert cert.clean, str(cert)
+    assert cert.verdict("embed.weight").claim == "rows"
+    # one more row moved than declared, and one declared row did not move
+    tuned["embed.weight"][3] += 1.0
+    tuned["out.weight"] = tuned["embed.weight"].clone()
+    files = pair(tmp_path, "torch", tuned)
+    bad = certify(*files, spec=SPEC, rows={"embed.weight": [2, 7, 9]}).verdict("embed.weight")
+    assert bad.ok is False
+    assert "1 frozen rows changed (rows [3])" in bad.detail
+    assert "1 trainable rows did not move (rows [9])" in bad.detail
+
+
+def test_declared_and_detected_ties(tmp_path: Path) -> None:
+    base = base_state()
+    tuned = trained(base)
+    tuned["out.weight"][0, 0] += 1.0
+    files = pair(tmp_path, "safetensors", tuned)
+    cert = certify(*files, spec=SPEC)
+    [fail] = cert.failures
+    assert (fail.key, fail.claim, fail.finding) == (
+        "embed.weight = out.weight",
+        "tied",
+        "tie broken",
+    )
+    assert "['out.weight'] no longer equal 'embed.weight'" in fail.detail
+    assert "rows [0]" in fail.detail
+    # constant tensors equal by chance (zero biases, unit norms) are not taken for ties
+    assert not any("head.bias" in v.key for v in cert.verdicts if v.claim == "tied")
+    undetected = certify(*files, spec=SPEC, detect_ties=False)
+    assert undetected.clean
+    declared = certify(*files, spec=SPEC, detect_ties=False, ties=[["embed.weight", "out.weight"]])
+    assert [v.key for v in declared.failures] == ["embed.weight = out.weight"]
+    assert declared.failures[0].source == "declared"
+
+
+def test_a_declared_tie_that_is_not_tied_in_the_base_fails(tmp_path: Path) -> None:
+    base = base_state()
+    base["copy.weight"] = base["head.weight"] + 1
+    cert = certify(
+        *pair(tmp_path, "torch", trained(base), base),
+        ties=[["head.weight", "copy.weight"]],
+        detect_ties=False,
+    )
+    [fail] = cert.failures
+    assert (fail.key, fail.claim, fail.finding) == (
+        "head.weight = copy.weight",
+        "tied",
+        "not tied in the base",
+    )
+
+
+def test_missing_unexpected_and_renamed_keys(tmp_path: Path) -> None:
+    tuned = trained(base_state())
+    tuned["backbone.0.bias"] = tuned.pop("trunk.0.bias")  # renamed, bitwise the same values
+    tuned["head.linear.weight"] = tuned.pop("head.weight")  # renamed, and trained
+    del tuned["head.bias"]  # missing
+    tuned["extra.weight"] = torch.randn(2, 2)  # unexpected
+    cert = certify(*pair(tmp_path, "safetensors", tuned), spec=SPEC)
+    present = {v.key: v.finding for v in cert.verdicts if v.claim == "present"}
+    assert present == {
+        "trunk.0.bias": "renamed to 'backbone.0.bias'",
+        "head.weight": "renamed to 'head.linear.weight'?",
+        "head.bias": "missing from the tuned checkpoint",
+        "extra.weight": "not in the base checkpoint",
+    }
+    assert cert.verdict("head.weight", "present").detail == "same dtype and shape; values differ"
+    assert all(v.ok is False for v in cert.verdicts if v.claim == "present")
+    ignored = certify(
+        *pair(tmp_path, "safetensors", tuned),
+        spec=SPEC,
+        ignore=["head", "trunk.0.bias", "backbone", "!head.linear"],
+    )
+    # the exclusion keeps head.linear.weight in, now with no base key to be renamed from
+    assert sorted((v.key, v.finding) for v in ignored.failures) == [
+        ("extra.weight", "not in the base checkpoint"),
+        ("head.linear.weight", "not in the base checkpoint"),
+    ]
+
+
+def test_a_lightning_checkpoint_is_read_from_its_state_dict(tmp_path: Path) -> None:
+    def ckpt(state: dict[str, torch.Tensor], path: Path) -> Path:
+        torch.save({"epoch": 1, "global_step": 5, "state_dict": state, "loops": {}}, path)
+        return path
+
+    base = base_state()
+    first = ckpt({f"net.{k}": v for k, v in base.items()}, tmp_path / "first.ckpt")
+    last = ckpt({f"net.{k}": v for k, v in trained(base).items()}, tmp_path / "last.ckpt")
+    cert = certify(first, last, spec=SPEC, prefix="net")
+    assert cert.clean, str(cert)
+    assert cert.tuned.group == "state_dict"
+    assert cert.verdict("net.trunk.0.weight").finding == "bitwise unchanged"
+    assert cert.claims["spec"]["freeze"] == ["net.trunk"]
