@@ -199,7 +199,7 @@ def certify(
             tolerances={
                 "frozen": "bitwise (XXH3-128 fingerprints of dtype, shape and bytes)",
                 "merge_ulps": ulps,
-                "merge_rule": "|merged - (W + scale*B@A)| <= ulps*eps(dtype)*(|exact|+|delta|)",
+                "merge_rule": "|merged - (W + s*B@A)| <= ulps*eps(dtype)*(|W + s*B@A| + s*|B|@|A|)",
             },
             verdicts=tuple(verdicts),
             versions=versions(),

@@ -1,9 +1,10 @@
 """Whether a merged weight is its base plus ``scale * B @ A`` within the dtype's rounding.
 
 The exact value ``W + scale * B @ A`` is computed in float64 a block of rows at a time, and
-each merged element must lie within ``ulps * eps * (|exact| + |delta|)`` of it (``eps`` the
-dtype's machine epsilon): a merge done in the weight's own dtype rounds the delta, then the
-sum, each by at most half a unit. The scale that best explains the merged weight (least
+each merged element must lie within ``ulps * eps * (|exact| + scale * (|B| @ |A|))`` of it
+(``eps`` the dtype's machine epsilon): a merge done in the weight's own dtype rounds the
+product (by at most a unit of the sum of its terms' magnitudes, whatever cancels), then the
+sum, by at most half a unit of the result. The scale that best explains the merged weight (least
 squares) is reported, so a merge done with the wrong ``lora_alpha / r`` is named with the
 scale it used.
 """
@@ -62,10 +63,11 @@ def check_merge(
     num = den = 0.0
     for start, stop in row_blocks(base):
         delta = left[start:stop] @ right
+        terms = left[start:stop].abs() @ right.abs()  # bounds the rounding of the product
         w = base[start:stop].to(torch.float64)
         t = merged[start:stop].to(torch.float64)
         exact = w + scale * delta
-        allowed = ulps * eps * (exact.abs() + (scale * delta).abs()) + tiny
+        allowed = ulps * eps * (exact.abs() + abs(scale) * terms) + tiny
         ratio = ((t - exact).abs() / allowed).nan_to_num(nan=float("inf"))
         bad = (ratio > 1).reshape(stop - start, -1).any(1)
         bad_count += int(bad.sum())

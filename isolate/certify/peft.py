@@ -128,6 +128,10 @@ class LoraConfig:
         return any(module == t or module.endswith("." + t) for t in self.target_modules)
 
 
+def _shown(targets: tuple[str, ...] | str | None) -> str:
+    return repr(list(targets) if isinstance(targets, tuple) else targets)
+
+
 def _module_keys(names: Sequence[str], module: str, what: str, where: str) -> list[str]:
     """The keys under the modules whose names end in ``module`` (``lm_head`` names
     ``model.lm_head``), as PEFT matches ``modules_to_save``; none is an error."""
@@ -213,7 +217,8 @@ def adapter_claims(
         targeted = [m + ".weight" for m in modules if config.targets(m) and m + ".weight" in metas]
         if not targeted:
             raise CertificateError(
-                f"{CALLER}: target_modules {config.target_modules!r} names no module of {where} "
+                f"{CALLER}: target_modules {_shown(config.target_modules)} names no module of "
+                f"{where} "
                 f"that has a weight; give the adapter's weights (adapter=) so its keys decide"
             )
         for key in targeted:
