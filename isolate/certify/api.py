@@ -29,14 +29,14 @@ from isolate.certify.claims import (
 from isolate.certify.engine import Pass, run
 from isolate.certify.peft import LoraConfig, adapter_claims
 from isolate.errors import CertificateError
-from isolate.spec import IsolationSpec
+from isolate.spec.data import SpecData
 
 __all__ = ["certify"]
 
 
 def _claims(
     base: Checkpoint,
-    spec: IsolationSpec | None,
+    spec: SpecData | None,
     config: LoraConfig | None,
     adapter: Checkpoint | None,
     rows: Mapping[str, Sequence[int]] | None,
@@ -84,7 +84,7 @@ def certify(
     base: str | Path,
     tuned: str | Path,
     *,
-    spec: IsolationSpec | Mapping[str, Any] | str | Path | None = None,
+    spec: SpecData | Mapping[str, Any] | str | Path | None = None,
     adapter_config: LoraConfig | Mapping[str, Any] | str | Path | None = None,
     adapter: str | Path | None = None,
     rows: Mapping[str, Sequence[int]] | None = None,

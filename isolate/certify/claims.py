@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from isolate._selectors import select_names
 from isolate.errors import CertificateError
-from isolate.spec import IsolationSpec
+from isolate.spec.data import SpecData
 
 if TYPE_CHECKING:
     from isolate.certify.checkpoint import TensorMeta
@@ -58,9 +58,10 @@ def closest(name: str, names: Collection[str]) -> str:
     return f"; closest: {found}" if found else ""
 
 
-def load_spec(spec: object) -> IsolationSpec:
-    """An :class:`IsolationSpec` from itself, its dict, or a JSON / YAML file of the dict."""
-    if isinstance(spec, IsolationSpec):
+def load_spec(spec: object) -> SpecData:
+    """A spec (an :class:`~isolate.spec.IsolationSpec`) from itself, its dict, or a JSON /
+    YAML file of the dict."""
+    if isinstance(spec, SpecData):
         return spec
     if isinstance(spec, (str, Path)):
         path = Path(spec)
@@ -80,7 +81,7 @@ def load_spec(spec: object) -> IsolationSpec:
             data = yaml.safe_load(text)
         spec = data
     if isinstance(spec, Mapping):
-        return IsolationSpec.from_dict(spec)
+        return SpecData.from_dict(spec)
     raise CertificateError(
         f"{CALLER}: spec must be an IsolationSpec, its dict, or a JSON/YAML file of it; got "
         f"{type(spec).__name__}"
@@ -101,7 +102,7 @@ def _held_modules(metas: Mapping[str, TensorMeta], buffers: set[str], frozen: se
 
 
 def spec_claims(
-    spec: IsolationSpec,
+    spec: SpecData,
     metas: Mapping[str, TensorMeta],
     *,
     buffers: Sequence[str] = BUFFERS,

@@ -1,7 +1,9 @@
-"""``isolate certify BASE TUNED ...``: the command line over :func:`isolate.certify.certify`.
+"""Certify from two checkpoints alone what a run froze, trained, merged and tied.
 
-Exit status: 0 when the certificate is clean, 1 when a claim fails, 2 on bad input (one
-line on stderr naming the file or tensor and the fix).
+``isolate certify BASE TUNED ...``, the command line over :func:`isolate.certify.certify`:
+``add_arguments`` and ``run`` make it a verb of the ``isolate`` command, ``main`` runs it on
+its own. Exit status: 0 when the certificate is clean, 1 when a claim fails, 2 on bad input
+(one line on stderr naming the file or tensor and the fix).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import NoReturn
 
 from isolate.certify.api import certify
 from isolate.certify.claims import BUFFERS
-from isolate.errors import IsolationError
-from isolate.spec import IsolationSpec
+from isolate.errors import CertificateError, IsolationError
+from isolate.spec.data import SpecData
 
-__all__ = ["main"]
+__all__ = ["add_arguments", "main", "parser", "run"]
 
 PROG = "isolate certify"
 
@@ -51,14 +53,9 @@ def _tie(text: str) -> list[str]:
     return keys
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser of ``isolate certify``."""
-    p = _Parser(
-        prog=PROG,
-        description="Certify from two checkpoints alone what a run froze, trained, merged and "
-        "tied; write the certificate as JSON.",
-        epilog="A certificate shows which tensors changed; it cannot show which loss changed them.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``isolate certify``."""
+    p.epilog = "A certificate shows which tensors changed; it cannot show which loss changed them."
     p.add_argument(
         "base",
         type=Path,
@@ -160,7 +157,48 @@ def parser() -> argparse.ArgumentParser:
     opts.add_argument(
         "--json", action="store_true", help="print the JSON certificate instead of the report"
     )
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``isolate certify`` on its own (see :func:`main`)."""
+    p = _Parser(
+        prog=PROG,
+        description="Certify from two checkpoints alone what a run froze, trained, merged and "
+        "tied; write the certificate as JSON.",
+    )
+    add_arguments(p)
     return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Certify as ``args`` say, print the report, write the JSON; 0 clean, 1 a claim fails.
+
+    Raises:
+        IsolationError: bad input (``main`` prints it as one line and returns 2).
+    """
+    if args.spec and args.freeze:
+        raise CertificateError("give --spec or --freeze, not both")
+    spec = SpecData(freeze=tuple(args.freeze), bn=args.bn) if args.freeze else args.spec
+    certificate = certify(
+        args.base,
+        args.tuned,
+        spec=spec,
+        adapter_config=args.adapter_config,
+        adapter=args.adapter,
+        rows=dict(args.rows),
+        ties=args.tie,
+        detect_ties=not args.no_detect_ties,
+        buffers=args.buffers,
+        ignore=args.ignore,
+        key=None if args.key.lower() == "none" else args.key,
+        prefix=args.prefix,
+        ulps=args.ulps,
+        file_hash=args.hash,
+    )
+    if args.output is not None:
+        args.output.write_text(certificate.to_json())
+    print(certificate.to_json() if args.json else certificate)
+    return 0 if certificate.clean else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,29 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as done:  # --help
         return int(done.code or 0)
     try:
-        if args.spec and args.freeze:
-            raise _UsageError("give --spec or --freeze, not both")
-        spec = IsolationSpec(freeze=tuple(args.freeze), bn=args.bn) if args.freeze else args.spec
-        certificate = certify(
-            args.base,
-            args.tuned,
-            spec=spec,
-            adapter_config=args.adapter_config,
-            adapter=args.adapter,
-            rows=dict(args.rows),
-            ties=args.tie,
-            detect_ties=not args.no_detect_ties,
-            buffers=args.buffers,
-            ignore=args.ignore,
-            key=None if args.key.lower() == "none" else args.key,
-            prefix=args.prefix,
-            ulps=args.ulps,
-            file_hash=args.hash,
-        )
-    except (IsolationError, _UsageError) as error:
+        return run(args)
+    except IsolationError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    if args.output is not None:
-        args.output.write_text(certificate.to_json())
-    print(certificate.to_json() if args.json else certificate)
-    return 0 if certificate.clean else 1
