@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=float, default=5e8, help="parameters per checkpoint (3e9: the full target)")
     parser.add_argument("--tensor-mb", type=int, default=64, help="size of each tensor in MiB")
     parser.add_argument("--trainable", type=int, default=2, help="how many tensors (the last) the run trains")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is reported)")
     parser.add_argument("--dir", type=Path, default=None, help="where to generate the pair (default: a temporary folder)")
     parser.add_argument("--output", type=Path, default=Path("outputs/bench/certify.json"), help="JSON results")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)

@@ -27,6 +27,7 @@ from torch import nn
 from isolate.errors import IsolationTypeError
 
 __all__ = [
+    "HostFingerprint",
     "Print",
     "Scheme",
     "fingerprint",
@@ -240,18 +241,50 @@ def _device_fingerprint(t: torch.Tensor) -> int:
 # the host scheme: XXH3-128 of the raw bytes
 
 
-def _host_fingerprint(t: torch.Tensor) -> int:
-    """XXH3-128 of the header and the bytes in row-major order, read in place when the tensor
-    is contiguous and in host memory (else copied to the host 8 MiB at a time)."""
-    hasher = xxhash.xxh3_128()
-    hasher.update(_header_digest(t, 16))
-    for piece in _pieces(t):
+class HostFingerprint:
+    """The host scheme of :func:`fingerprint`, fed a tensor's bytes in pieces: for a tensor
+    read from a file a block at a time (so that no more than a block is resident).
+
+    Feeding the bytes of a dense tensor in row-major order gives ``fingerprint(tensor)``
+    for that tensor in CPU memory.
+
+    >>> t = torch.arange(6.0).reshape(2, 3)
+    >>> stream = HostFingerprint(t.dtype, t.shape)
+    >>> for row in t:
+    ...     stream.update(row.numpy().tobytes())
+    >>> stream.intdigest() == fingerprint(t)
+    True
+    """
+
+    def __init__(self, dtype: torch.dtype, shape: Iterable[int]) -> None:
+        self._hasher = xxhash.xxh3_128()
+        self._hasher.update(
+            _header_digest(torch.empty(tuple(shape), dtype=dtype, device="meta"), 16)
+        )
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed the next bytes (xxhash lets go of the GIL while it reads them)."""
+        self._hasher.update(data)
+
+    def update_tensor(self, piece: torch.Tensor) -> None:
+        """Feed the bytes of a contiguous uint8 tensor, read in place in host memory."""
         if piece.device.type != "cpu":
             piece = piece.cpu()
         size = piece.numel()
-        if size:  # the C buffer lives as long as ``piece``; xxhash lets go of the GIL
-            hasher.update((ctypes.c_char * size).from_address(piece.data_ptr()))
-    return hasher.intdigest()
+        if size:  # the C buffer lives as long as ``piece``
+            self._hasher.update((ctypes.c_char * size).from_address(piece.data_ptr()))
+
+    def intdigest(self) -> int:
+        return int(self._hasher.intdigest())
+
+
+def _host_fingerprint(t: torch.Tensor) -> int:
+    """XXH3-128 of the header and the bytes in row-major order, read in place when the tensor
+    is contiguous and in host memory (else copied to the host 8 MiB at a time)."""
+    stream = HostFingerprint(t.dtype, t.shape)
+    for piece in _pieces(t):
+        stream.update_tensor(piece)
+    return stream.intdigest()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

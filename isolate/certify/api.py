@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from isolate._selectors import select_names
-from isolate.certify.certificate import (
-    Certificate,
-    FileHash,
-    FileRecord,
-    Verdict,
-    hash_file,
-    versions,
-)
+from isolate.certify.certificate import Certificate, FileRecord, Verdict, versions
 from isolate.certify.checkpoint import WINDOW, Checkpoint, open_checkpoint
 from isolate.certify.claims import (
     BUFFERS,
@@ -27,6 +21,7 @@ from isolate.certify.claims import (
     with_ties,
 )
 from isolate.certify.engine import Pass, run
+from isolate.certify.filehash import FileHash
 from isolate.certify.peft import LoraConfig, adapter_claims
 from isolate.errors import CertificateError
 from isolate.spec.data import SpecData
@@ -72,11 +67,9 @@ def _check_pairs(base: Checkpoint, tuned: Checkpoint, ignored: frozenset[str]) -
         )
 
 
-def _record(reader: Checkpoint, file_hash: FileHash) -> FileRecord:
-    hashes = (
-        {} if file_hash == "none" else {p.name: hash_file(p, file_hash) for p in reader.files()}
-    )
+def _record(reader: Checkpoint) -> FileRecord:
     group = getattr(reader, "group", None)
+    hashes = reader.file_hashes()
     return FileRecord(str(reader.path), reader.format, hashes, group, tuple(reader.skipped))
 
 
@@ -167,7 +160,10 @@ def certify(
         readers = [stack.enter_context(open_checkpoint(p, key=key)) for p in (base, tuned)]
         for reader in readers:
             reader.window = window
+            reader.file_hash = file_hash
         lora = None if adapter is None else stack.enter_context(open_checkpoint(adapter, key=None))
+        if lora is not None:
+            lora.file_hash = file_hash
         first, second = readers
         names = list({**first.metas, **second.metas})
         where = f"the keys of {first.path.name} and {second.path.name}"
@@ -176,8 +172,9 @@ def certify(
         declared = with_ties(ties, first.metas, where=first.path.name)
         _check_pairs(first, second, ignored)
         job = Pass(first, second, claims, lora, declared, detect_ties, ulps, ignored)
-        records = [_record(r, file_hash) for r in readers]
         verdicts: list[Verdict] = run(job)
+        with ThreadPoolExecutor(2) as pool:  # files not hashed during the pass: both at once
+            records = list(pool.map(_record, readers))
         notes = [
             f"{name} in {second.path.name} is not referenced by its index (left by another save?)"
             for name in second.unreferenced()
@@ -203,6 +200,6 @@ def certify(
             },
             verdicts=tuple(verdicts),
             versions=versions(),
-            adapter=None if lora is None else _record(lora, file_hash),
+            adapter=None if lora is None else _record(lora),
             notes=tuple(notes),
         )

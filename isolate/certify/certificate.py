@@ -7,20 +7,14 @@ certificate cannot say.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import xxhash
-
-__all__ = ["CLAIMS", "LIMITS", "Certificate", "FileRecord", "Verdict", "hash_file", "versions"]
-
-FileHash = Literal["xxh3", "sha256", "none"]
+__all__ = ["CLAIMS", "LIMITS", "Certificate", "FileRecord", "Verdict", "versions"]
 
 CLAIMS = ("frozen", "held", "rows", "merged", "saved", "trainable", "free", "tied", "present")
 """Every kind of claim, in the order a report lists them."""
@@ -72,21 +66,6 @@ class FileRecord:
     hashes: Mapping[str, str]
     group: str | None = None
     skipped: Sequence[str] = ()
-
-
-def hash_file(path: Path, kind: FileHash) -> str:
-    """``"xxh3_128:<hex>"`` (as ``xxhsum -H2`` prints it) or ``"sha256:<hex>"`` of the bytes."""
-    hasher: Any = xxhash.xxh3_128() if kind == "xxh3" else hashlib.sha256()
-    buffer = bytearray(8 << 20)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as f:
-        while True:
-            size = f.readinto(view)
-            if not size:
-                break
-            hasher.update(view[:size])
-    name = "xxh3_128" if kind == "xxh3" else "sha256"
-    return f"{name}:{hasher.hexdigest()}"
 
 
 def versions() -> dict[str, str]:

@@ -18,7 +18,9 @@ from typing import ClassVar, Literal
 
 import torch
 
+from isolate.certify.filehash import FileHash, hash_file
 from isolate.errors import CheckpointReadError
+from isolate.fingerprints import fingerprint
 
 __all__ = ["WINDOW", "Checkpoint", "Source", "TensorMeta", "choose_group", "open_checkpoint"]
 
@@ -75,6 +77,7 @@ class Checkpoint(abc.ABC):
         self._metas: dict[str, TensorMeta] = {}
         self.skipped: list[str] = []  # entries that are not tensors (step counters, configs)
         self._mapped = 0
+        self.file_hash: FileHash = "none"
 
     @property
     def metas(self) -> Mapping[str, TensorMeta]:
@@ -99,6 +102,16 @@ class Checkpoint(abc.ABC):
                 f"{TensorMeta(tensor.dtype, tuple(tensor.shape))}; the file is corrupt: re-save it"
             )
         return tensor
+
+    def print_of(self, key: str) -> int:
+        """:func:`~isolate.fingerprints.fingerprint` of the tensor ``key``."""
+        return fingerprint(self.read(key))
+
+    def file_hashes(self) -> dict[str, str]:
+        """Each file's own hash (by ``file_hash``), by file name; empty for ``"none"``."""
+        if self.file_hash == "none":
+            return {}
+        return {p.name: hash_file(p, self.file_hash) for p in self.files()}
 
     def sources(self, key: str) -> list[Source]:
         """Where the parts of ``key`` are stored (one part for single-file formats)."""

@@ -1,8 +1,9 @@
 """The streaming pass: each tensor is read once from each file, fingerprinted, judged, dropped.
 
-The base's and the tuned file's tensor are read and fingerprinted on two threads at once
-(``xxhash`` lets go of the GIL); only fingerprints are kept, one per tensor, so memory holds
-about one tensor per file at a time, whatever the checkpoint's size.
+The base's and the tuned file's tensor are fingerprinted on two threads at once (``xxhash``
+lets go of the GIL); only fingerprints are kept, one per tensor. Values are read again only
+where a verdict needs them: a claim about rows or a merge, a failed claim (to say which
+rows), a tensor stored in several shards.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from isolate.certify.certificate import Verdict
 from isolate.certify.checkpoint import Checkpoint
 from isolate.certify.claims import Claim
 from isolate.certify.structure import detect_ties, key_verdicts, tie_verdicts
 from isolate.certify.verdicts import Pair, judge
-from isolate.fingerprints import fingerprint
 
 __all__ = ["Pass", "run"]
 
@@ -37,11 +35,6 @@ class Pass:
     ignored: frozenset[str] = frozenset()
 
 
-def _load(reader: Checkpoint, key: str) -> tuple[torch.Tensor, int]:
-    tensor = reader.read(key)
-    return tensor, fingerprint(tensor)
-
-
 def run(job: Pass) -> list[Verdict]:
     """Read both checkpoints once, in the base's order, and judge every key."""
     base_keys = [k for k in job.base.metas if k not in job.ignored]
@@ -52,31 +45,29 @@ def run(job: Pass) -> list[Verdict]:
     verdicts: list[Verdict] = []
     with ThreadPoolExecutor(2, thread_name_prefix="certify") as pool:
         for key in base_keys:
-            from_base = pool.submit(_load, job.base, key)
-            from_tuned: Future[tuple[torch.Tensor, int]] | None = None
+            from_base = pool.submit(job.base.print_of, key)
+            from_tuned: Future[int] | None = None
             if key in in_tuned:
-                from_tuned = pool.submit(_load, job.tuned, key)
-            base, base_prints[key] = from_base.result()
+                from_tuned = pool.submit(job.tuned.print_of, key)
+            base_prints[key] = from_base.result()
             if from_tuned is None:
                 continue
-            tuned, tuned_prints[key] = from_tuned.result()
+            tuned_prints[key] = from_tuned.result()
             pair = Pair(
                 key,
                 job.claims[key],
-                base,
-                tuned,
+                job.base,
+                job.tuned,
                 base_prints[key],
                 tuned_prints[key],
-                job.tuned.sources(key),
                 job.adapter,
                 job.ulps,
-                job.tuned.path.is_dir(),
             )
             verdicts.append(judge(pair))
-            del base, tuned, pair  # the mapping window can be released
+            del pair  # its tensors, if it read them: the mapping window can be released
     unexpected = [k for k in tuned_keys if k not in base_prints]
     for key in unexpected:
-        tuned_prints[key] = fingerprint(job.tuned.read(key))
+        tuned_prints[key] = job.tuned.print_of(key)
     missing = [k for k in base_keys if k not in in_tuned]
     metas = (job.base.metas, job.tuned.metas)
     verdicts += key_verdicts(missing, unexpected, base_prints, tuned_prints, metas)

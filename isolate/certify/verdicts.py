@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -19,18 +20,35 @@ __all__ = ["Pair", "judge"]
 
 @dataclass
 class Pair:
-    """One key as read from both checkpoints."""
+    """One key of both checkpoints: its fingerprints, and its tensors when a verdict needs
+    their values (read on first use)."""
 
     key: str
     claim: Claim
-    base: torch.Tensor
-    tuned: torch.Tensor
+    base_reader: Checkpoint
+    tuned_reader: Checkpoint
     base_print: int
     tuned_print: int
-    sources: list[Source]  # where the tuned checkpoint stores its parts
     adapter: Checkpoint | None
     ulps: float
-    folder: bool = False  # the tuned checkpoint is a folder of shard files
+
+    @cached_property
+    def base(self) -> torch.Tensor:
+        return self.base_reader.read(self.key)
+
+    @cached_property
+    def tuned(self) -> torch.Tensor:
+        return self.tuned_reader.read(self.key)
+
+    @property
+    def sources(self) -> list[Source]:
+        """Where the tuned checkpoint stores the parts of the tensor."""
+        return self.tuned_reader.sources(self.key)
+
+    @property
+    def folder(self) -> bool:
+        """Whether the tuned checkpoint is a folder of shard files."""
+        return self.tuned_reader.path.is_dir()
 
     @property
     def moved(self) -> bool:
@@ -44,14 +62,14 @@ class Pair:
             finding=finding,
             detail=detail,
             source=self.claim.source,
-            meta=f"{str(self.base.dtype).removeprefix('torch.')}{list(self.base.shape)}",
+            meta=str(self.base_reader.metas[self.key]),
             base=f"{self.base_print:032x}",
             tuned=f"{self.tuned_print:032x}",
         )
 
     def files_of(self, rows: list[int]) -> str:
         """``"in ['__1_0.distcp']"``: the shard files of a folder checkpoint that hold ``rows``."""
-        if not self.folder or not self.tuned.dim():
+        if not self.folder or not self.tuned_reader.metas[self.key].shape:
             return ""
         spans = [(s.file, s.offsets[0], s.sizes[0]) for s in self.sources]
         return f"in {rows_in(rows, spans)}"

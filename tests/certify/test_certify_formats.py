@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from isolate.certify import certify
 from isolate.certify.checkpoint import open_checkpoint
 from isolate.errors import CheckpointReadError
+from isolate.fingerprints import fingerprint
 
 
 def _mixed() -> dict[str, torch.Tensor]:
@@ -43,6 +44,8 @@ def test_each_format_reads_back_the_saved_tensors(tmp_path: Path, fmt: str, wind
             assert reader.metas[key].shape == tuple(expected.shape)
             got = reader.read(key)
             assert got.dtype == expected.dtype and torch.equal(got, expected), key
+            # safetensors: streamed from the file's bytes, a block at a time
+            assert reader.print_of(key) == fingerprint(expected), key
         assert reader.format == fmt
 
 
@@ -72,17 +75,27 @@ def test_groups_that_hold_the_weights(tmp_path: Path) -> None:
         assert set(reader.metas) == {*prefixed, "extra"}
 
 
+def _hash(path: Path, kind: str) -> str:
+    data = path.read_bytes()
+    if kind == "xxh3":
+        return f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}"
+    return f"sha256:{hashlib.sha256(data).hexdigest()}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", ["xxh3", "sha256"])
-def test_the_certificate_records_the_files_own_hashes(tmp_path: Path, kind: str) -> None:
-    base, tuned = pair(tmp_path, "safetensors", trained(base_state()))
-    cert = certify(base, tuned, spec=SPEC, file_hash=kind)  # type: ignore[arg-type]
-    data = tuned.read_bytes()
-    expected = (
-        f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}"
-        if kind == "xxh3"
-        else f"sha256:{hashlib.sha256(data).hexdigest()}"
-    )
-    assert cert.tuned.hashes == {"tuned.safetensors": expected}
+def test_the_certificate_records_the_files_own_hashes(tmp_path: Path, fmt: str, kind: str) -> None:
+    tuned_state = trained(base_state())
+    tuned_state["aaa.extra"] = torch.ones(3)  # read after the others: out of the file's order
+    base, tuned = pair(tmp_path, fmt, tuned_state)
+    for ignore in ([], ["trunk.0"]):  # a gap in the keys read
+        cert = certify(base, tuned, spec=SPEC, file_hash=kind, ignore=ignore)  # type: ignore[arg-type]
+        files = [tuned] if tuned.is_file() else [tuned / n for n in cert.tuned.hashes]
+        assert cert.tuned.hashes == {f.name: _hash(f, kind) for f in files}
+        if base.is_file():
+            assert cert.base.hashes == {base.name: _hash(base, kind)}
+    if fmt == "dcp":  # the metadata and one shard file per tensor
+        assert ".metadata" in cert.tuned.hashes and len(cert.tuned.hashes) == 1 + len(tuned_state)
 
 
 def test_the_certificate_json_holds_what_is_needed_to_check_it_again(tmp_path: Path) -> None:
@@ -96,8 +109,6 @@ def test_the_certificate_json_holds_what_is_needed_to_check_it_again(tmp_path: P
     assert data["tolerances"]["merge_ulps"] == 2.0
     assert any("cannot show which loss" in line for line in data["limits"])
     head = next(v for v in data["verdicts"] if v["key"] == "head.weight")
-    from isolate.fingerprints import fingerprint
-
     assert head["tuned"] == f"{fingerprint(trained(base_state())['head.weight']):032x}"
     assert "CLEAN" in str(cert) and "trunk: 4 frozen, bitwise unchanged" in str(cert)
 
