@@ -60,7 +60,11 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, int]], make: Any) ->
     offset = 0
     for name, rows in tensors:
         size = rows * WIDTH * 2
-        header[name] = {"dtype": "BF16", "shape": [rows, WIDTH], "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": "BF16",
+            "shape": [rows, WIDTH],
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -194,63 +198,89 @@ def _dcp(state: dict[str, torch.Tensor], path: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": state}, storage_writer=FileSystemWriter(path, single_file_per_rank=False))
+        dcp.save(
+            {"model": state}, storage_writer=FileSystemWriter(path, single_file_per_rank=False)
+        )
 
 
-def corruptions(folder: Path) -> dict[str, Any]:
-    """Plant each corruption in a small pair; caught = fails on exactly that key, as expected."""
-    from safetensors.torch import save_file
+def _failures(cert: Any) -> list[tuple[str, str]]:
+    return [(v.key, v.finding) for v in cert.failures]
 
+
+def _planted_in_state_dicts(folder: Path) -> dict[str, list[tuple[str, str]]]:
+    """A base row changed, a tie broken, a drifted buffer: torch.save pairs."""
+    from isolate.certify import certify
+
+    out = {}
+    for name, plant in (
+        ("base row changed", lambda t: t["trunk.0.weight"][3].add_(1e-6)),
+        ("tie broken", lambda t: t["out.weight"].add_(0.5)),
+        ("drifted buffer", lambda t: t["trunk.1.running_mean"][2].add_(0.01)),
+    ):
+        tuned = _trained(_small())
+        plant(tuned)
+        torch.save(_small(), folder / "base.pt")
+        torch.save(tuned, folder / "tuned.pt")
+        cert = certify(folder / "base.pt", folder / "tuned.pt", spec={"freeze": ["trunk"]})
+        out[name] = _failures(cert)
+    return out
+
+
+def _stale_shard(folder: Path) -> list[tuple[str, str]]:
+    """The shard holding a trained tensor, left from the base checkpoint."""
     from isolate.certify import certify
     from isolate.certify.dcp_folder import DcpCheckpoint
-
-    spec = {"freeze": ["trunk"]}
-    results: dict[str, Any] = {}
-
-    def check(name: str, cert: Any, key: str, finding: str) -> None:
-        failed = [(v.key, v.finding) for v in cert.failures]
-        results[name] = {"caught": failed == [(key, finding)], "failures": failed}
-
-    def torch_pair(tuned: dict[str, torch.Tensor], name: str) -> tuple[Path, Path]:
-        torch.save(_small(), folder / f"{name}-base.pt")
-        torch.save(tuned, folder / f"{name}-tuned.pt")
-        return folder / f"{name}-base.pt", folder / f"{name}-tuned.pt"
-
-    tuned = _trained(_small())
-    tuned["trunk.0.weight"][3] += 1e-6
-    check("base row changed", certify(*torch_pair(tuned, "row"), spec=spec), "trunk.0.weight", "changed")
-    tuned = _trained(_small())
-    tuned["out.weight"] += 0.5
-    check("tie broken", certify(*torch_pair(tuned, "tie"), spec=spec), "embed.weight = out.weight", "tie broken")
-    tuned = _trained(_small())
-    tuned["trunk.1.running_mean"][2] += 0.01
-    check("drifted buffer", certify(*torch_pair(tuned, "bn"), spec=spec), "trunk.1.running_mean", "changed")
 
     _dcp(_small(), folder / "dcp-base")
     _dcp(_trained(_small()), folder / "dcp-tuned")
     with DcpCheckpoint(folder / "dcp-tuned") as reader:
         shard = reader.sources("head.weight")[0].file
     shutil.copy(folder / "dcp-base" / shard, folder / "dcp-tuned" / shard)
-    check("stale shard", certify(folder / "dcp-base", folder / "dcp-tuned", spec=spec), "head.weight", "did not move")
+    cert = certify(folder / "dcp-base", folder / "dcp-tuned", spec={"freeze": ["trunk"]})
+    return _failures(cert)
+
+
+def _merge_scale_off(folder: Path) -> list[tuple[str, str]]:
+    """A LoRA merged without its scale lora_alpha / r (= 2)."""
+    from safetensors.torch import save_file
+
+    from isolate.certify import certify
 
     g = torch.Generator().manual_seed(1)
-    base = {"q.weight": torch.randn(16, 8, generator=g).bfloat16(), "k.weight": torch.randn(16, 8, generator=g).bfloat16()}
+    base = {"q.weight": torch.randn(16, 8, generator=g).bfloat16()}
+    base["k.weight"] = torch.randn(16, 8, generator=g).bfloat16()
     a = (0.3 * torch.randn(4, 8, generator=g)).bfloat16()
     b = (0.3 * torch.randn(16, 4, generator=g)).bfloat16()
     adapter = {"base_model.model.q.lora_A.weight": a, "base_model.model.q.lora_B.weight": b}
-    merged = {**base, "q.weight": base["q.weight"] + (b @ a) * 1.0}  # lora_alpha / r = 2 forgotten
+    merged = {**base, "q.weight": base["q.weight"] + (b @ a) * 1.0}
     save_file(base, str(folder / "lora-base.safetensors"))
     save_file(merged, str(folder / "lora-merged.safetensors"))
     save_file(adapter, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q"]}
     cert = certify(
         folder / "lora-base.safetensors",
         folder / "lora-merged.safetensors",
-        adapter_config=config,
+        adapter_config={"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q"]},
         adapter=folder / "adapter_model.safetensors",
     )
-    check("merge scale off by alpha/r", cert, "q.weight", "merge off")
-    return results
+    return _failures(cert)
+
+
+def corruptions(folder: Path) -> dict[str, Any]:
+    """Plant each corruption in a small pair; caught = the certificate fails on exactly the
+    planted key, with the expected finding."""
+    expected = {
+        "base row changed": [("trunk.0.weight", "changed")],
+        "tie broken": [("embed.weight = out.weight", "tie broken")],
+        "drifted buffer": [("trunk.1.running_mean", "changed")],
+        "stale shard": [("head.weight", "did not move")],
+        "merge scale off by alpha/r": [("q.weight", "merge off")],
+    }
+    found = {
+        **_planted_in_state_dicts(folder),
+        "stale shard": _stale_shard(folder),
+        "merge scale off by alpha/r": _merge_scale_off(folder),
+    }
+    return {k: {"caught": found[k] == v, "failures": found[k]} for k, v in expected.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,12 +288,25 @@ def corruptions(folder: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--params", type=float, default=5e8, help="parameters per checkpoint (3e9: the full target)")
+    parser.add_argument(
+        "--params", type=float, default=5e8, help="parameters per checkpoint (3e9: the full target)"
+    )
     parser.add_argument("--tensor-mb", type=int, default=64, help="size of each tensor in MiB")
-    parser.add_argument("--trainable", type=int, default=2, help="how many tensors (the last) the run trains")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is reported)")
-    parser.add_argument("--dir", type=Path, default=None, help="where to generate the pair (default: a temporary folder)")
-    parser.add_argument("--output", type=Path, default=Path("outputs/bench/certify.json"), help="JSON results")
+    parser.add_argument(
+        "--trainable", type=int, default=2, help="how many tensors (the last) the run trains"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed repeats (the median is reported)"
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to generate the pair (default: a temporary folder)",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=Path("outputs/bench/certify.json"), help="JSON results"
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:  # the fresh process that measures
@@ -271,20 +314,34 @@ def main(argv: list[str] | None = None) -> int:
         result = child(args.child, job["spec"], job["repeats"])
         (args.child / "result.json").write_text(json.dumps(result))
         return 0
+    report = run(args)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2))
+    show(report)
+    print(f"written to {args.output}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Generate the pair, measure in a fresh process, plant the corruptions; the report."""
     folder = Path(tempfile.mkdtemp(prefix="certify-bench-", dir=args.dir))
     try:
         start = time.perf_counter()
         pair = make_pair(folder, args.params, args.tensor_mb, args.trainable)
         generated = time.perf_counter() - start
-        (folder / "job.json").write_text(json.dumps({"spec": pair["spec"], "repeats": args.repeats}))
-        subprocess.run([sys.executable, "-m", "experiments.bench_certify", "--child", str(folder)], check=True)
+        (folder / "job.json").write_text(
+            json.dumps({"spec": pair["spec"], "repeats": args.repeats})
+        )
+        subprocess.run(
+            [sys.executable, "-m", "experiments.bench_certify", "--child", str(folder)], check=True
+        )
         measured = json.loads((folder / "result.json").read_text())
         (folder / "small").mkdir()
         planted = corruptions(folder / "small")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     caught = sum(r["caught"] for r in planted.values())
-    report = {
+    return {
         "pair": {k: v for k, v in pair.items() if k != "spec"},
         "generate_seconds": generated,
         **measured,
@@ -296,22 +353,34 @@ def main(argv: list[str] | None = None) -> int:
             "5 of 5 caught": caught == 5,
             "large pair clean": measured["clean"],
         },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
+
+
+def show(report: dict[str, Any]) -> None:
+    pair, s = report["pair"], report["seconds"]
     gb = pair["bytes_per_file"] / 1e9
-    s = measured["seconds"]
-    print(f"pair: {pair['params'] / 1e9:.2f}B bf16 params, {pair['tensors']} tensors, {gb:.2f} GB per file")
-    print(f"sequential read of both files: {s['read']:.3f} s ({2 * gb / s['read']:.1f} GB/s, page cache warm)")
-    print(f"certify (file hashes xxh3):    {s['certify']:.3f} s  ratio {measured['ratio']:.2f}  (target <= 1.2)")
-    print(f"certify (no file hashes):      {s['certify_no_hash']:.3f} s  ratio {measured['ratio_no_hash']:.2f}")
-    print(f"peak RSS over baseline: {measured['peak_rss_delta_mb']:.1f} MB (VmHWM), anonymous {measured['peak_anon_delta_mb']:.1f} MB (target <= 100)")
-    print(f"large pair certified clean: {measured['clean']}; planted corruptions caught: {caught} of {len(planted)}")
-    for name, result in planted.items():
+    size = f"{pair['params'] / 1e9:.2f}B bf16 params, {pair['tensors']} tensors"
+    print(f"pair: {size}, {gb:.2f} GB per file")
+    print(f"sequential read of both files: {s['read']:.3f} s (page cache warm)")
+    print(f"certify, files hashed (xxh3): {s['certify']:.3f} s, ratio {report['ratio']:.2f}")
+    bare = report["ratio_no_hash"]
+    print(f"certify, no file hashes:      {s['certify_no_hash']:.3f} s, ratio {bare:.2f}")
+    print(
+        f"peak RSS over baseline: {report['peak_rss_delta_mb']:.1f} MB (VmHWM), anonymous "
+        f"{report['peak_anon_delta_mb']:.1f} MB"
+    )
+    print(f"large pair certified clean: {report['clean']}; corruptions caught: {report['caught']}")
+    for name, result in report["corruptions"].items():
         print(f"  {'caught' if result['caught'] else 'MISSED'}: {name}: {result['failures']}")
-    print(f"written to {args.output}")
-    return 0
+    print(
+        "targets: "
+        + ", ".join(f"{k}: {'ok' if v else 'MISSED'}" for k, v in report["targets"].items())
+    )
 
 
 if __name__ == "__main__":

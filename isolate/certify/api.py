@@ -136,16 +136,17 @@ def certify(
         CheckpointReadError: a file that is truncated, not weights-only, or not a checkpoint.
         SelectorError: a spec selector that matches no key, or a ``type:`` selector.
 
-    >>> import torch, tempfile, os
-    >>> folder = tempfile.mkdtemp()
+    >>> import tempfile, torch
+    >>> folder = tempfile.TemporaryDirectory()
     >>> before = {"trunk.weight": torch.randn(4, 4), "head.weight": torch.randn(2, 4)}
     >>> after = {**before, "head.weight": before["head.weight"] + 0.1}
-    >>> torch.save(before, os.path.join(folder, "a.pt"))
-    >>> torch.save(after, os.path.join(folder, "b.pt"))
-    >>> cert = certify(os.path.join(folder, "a.pt"), os.path.join(folder, "b.pt"),
+    >>> torch.save(before, f"{folder.name}/first.pt")
+    >>> torch.save(after, f"{folder.name}/last.pt")
+    >>> cert = certify(f"{folder.name}/first.pt", f"{folder.name}/last.pt",
     ...                spec={"freeze": ["trunk"]})
     >>> cert.clean, cert.summary()
     (True, ['trunk: 1 frozen, bitwise unchanged', 'head: 1 trainable, moved'])
+    >>> folder.cleanup()
     """
     parsed_spec = None if spec is None else load_spec(spec)
     if parsed_spec is not None and prefix:

@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "tuned", type=Path, help="the checkpoint after (fine-tuned, merged, or the run's last)"
     )
+    _claims(p)
+    _options(p)
+
+
+def _claims(p: argparse.ArgumentParser) -> None:
     claims = p.add_argument_group("claims (give at least one)")
     claims.add_argument("--spec", help="an IsolationSpec as a JSON or YAML file (freeze, thaw, bn)")
     claims.add_argument(
@@ -107,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEYS",
         help="keys that must stay equal, e.g. embed.weight,head.weight (repeatable)",
     )
+
+
+def _options(p: argparse.ArgumentParser) -> None:
     opts = p.add_argument_group("options")
     opts.add_argument(
         "--no-detect-ties",
