@@ -68,9 +68,8 @@ def _check_pairs(base: Checkpoint, tuned: Checkpoint, ignored: frozenset[str]) -
 
 
 def _record(reader: Checkpoint) -> FileRecord:
-    group = getattr(reader, "group", None)
     hashes = reader.file_hashes()
-    return FileRecord(str(reader.path), reader.format, hashes, group, tuple(reader.skipped))
+    return FileRecord(str(reader.path), reader.format, hashes, reader.group, tuple(reader.skipped))
 
 
 def certify(
@@ -152,6 +151,11 @@ def certify(
     if parsed_spec is not None and prefix:
         parsed_spec = parsed_spec.prefixed(prefix)
     config = None if adapter_config is None else LoraConfig.load(adapter_config)
+    if adapter is not None and config is None:
+        raise CertificateError(
+            f"{CALLER}: adapter= needs adapter_config= (its r, lora_alpha and target_modules "
+            f"give the merge's scale)"
+        )
     if parsed_spec is None and config is None and not rows and not ties:
         raise CertificateError(
             f"{CALLER}: nothing to certify: give spec=, adapter_config=, rows= or ties= (a "

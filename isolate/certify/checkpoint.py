@@ -76,6 +76,7 @@ class Checkpoint(abc.ABC):
         self.window = window
         self._metas: dict[str, TensorMeta] = {}
         self.skipped: list[str] = []  # entries that are not tensors (step counters, configs)
+        self.group: str | None = None  # the group the weights were read from (None: top level)
         self._mapped = 0
         self.file_hash: FileHash = "none"
 

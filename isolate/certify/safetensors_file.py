@@ -93,6 +93,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self.data_start, header = read_header(path)
         order = sorted(header, key=lambda name: header[name]["data_offsets"][0])
         prefix = "" if key in (None, "", "auto") else f"{key}."
+        self.group = prefix[:-1] or None
         self._names: dict[str, str] = {}
         for name in order:
             if name.startswith(prefix):

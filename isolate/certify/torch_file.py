@@ -66,6 +66,7 @@ class TorchCheckpoint(Checkpoint):
                     f"tensors only: save it with .to_dense()"
                 )
             self._metas[str(name)] = TensorMeta(value.dtype, tuple(value.shape))
+        self.group = self._group or None
         self._release()
 
     def _load(self) -> Mapping[str, Any]:
@@ -82,11 +83,6 @@ class TorchCheckpoint(Checkpoint):
                 self._group = "" if group is None else group
             self._tensors = loaded[self._group] if self._group else loaded
         return self._tensors
-
-    @property
-    def group(self) -> str | None:
-        """The group the weights were read from (``None``: the top level)."""
-        return self._group or None
 
     def _read(self, key: str) -> torch.Tensor:
         tensor: torch.Tensor = self._load()[key]

@@ -105,8 +105,13 @@ def test_a_selector_matching_no_key_names_the_file_and_the_closest_key(tmp_path:
 
 
 def test_nothing_to_certify_is_an_error_not_a_vacuous_pass(tmp_path: Path) -> None:
+    files = pair(tmp_path, "torch", trained(base_state()))
     with pytest.raises(CertificateError, match=r"nothing to certify"):
-        certify(*pair(tmp_path, "torch", trained(base_state())))
+        certify(*files)
+    with pytest.raises(CertificateError, match=r"adapter= needs adapter_config="):
+        certify(*files, spec=SPEC, adapter=files[0])
+    with pytest.raises(CertificateError, match=r"give spec= or adapter_config=, not both"):
+        certify(*files, spec=SPEC, adapter_config={"r": 2, "lora_alpha": 4})
 
 
 def test_not_a_checkpoint(tmp_path: Path) -> None:
