@@ -100,6 +100,8 @@ def test_a_selector_matching_no_key_names_the_file_and_the_closest_key(tmp_path:
     )
     with pytest.raises(SelectorError, match=r"'type:BatchNorm1d' selects by module class"):
         certify(*files, spec={"freeze": ["type:BatchNorm1d"]})
+    with pytest.raises(SelectorError, match=r"the exclusion '!head' takes nothing out of"):
+        certify(*files, spec={"freeze": ["trunk", "!head"]})
     with pytest.raises(CertificateError, match=r"rows= names 'embed\.weigth'.*'embed\.weight'"):
         certify(*files, spec=SPEC, rows={"embed.weigth": [1]})
 
