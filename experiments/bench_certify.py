@@ -12,8 +12,11 @@ What is measured, and how:
 * Time: the page cache cannot be dropped without root, so both files are first read once
   to warm it; then a sequential read of both files (``readinto`` an 8 MiB buffer, one
   thread) and ``certify`` are timed alternately (read, certify, read, certify, ...) and
-  each figure is the median of ``--repeats``. ``ratio`` is certify / read. Certify runs
-  twice per repeat: with the files' XXH3 hashes (the default) and without (``--hash none``).
+  each figure is the median of ``--repeats``. ``ratio`` is certify / read in wall-clock
+  time; ``cpu_ratio`` the same in CPU time summed over threads (certify reads the two
+  files on two threads: on a busy machine its wall-clock time follows its CPU time). The
+  1-minute load average is recorded with them. Certify runs twice per repeat: with the
+  files' XXH3 hashes (the default) and without (``--hash none``).
 * Memory: in a fresh process, after imports: ``VmHWM`` (the kernel's peak resident set,
   reset through ``/proc/self/clear_refs``) minus ``VmRSS`` before certify, and the peak of
   ``RssAnon`` (anonymous memory, sampled every 2 ms) minus its value before. ``VmHWM``
@@ -148,22 +151,28 @@ def child(folder: Path, spec: dict[str, Any], repeats: int) -> dict[str, Any]:
         "verdicts": len(cert.verdicts),
     }
     times: dict[str, list[float]] = {"read": [], "certify": [], "certify_no_hash": []}
+    cpu: dict[str, list[float]] = {name: [] for name in times}
     for _ in range(repeats):
         for name, run in (
             ("read", lambda: _read(paths)),
             ("certify", lambda: certify(*paths, spec=spec)),
             ("certify_no_hash", lambda: certify(*paths, spec=spec, file_hash="none")),
         ):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)  # all threads of the process
     medians = {name: statistics.median(values) for name, values in times.items()}
+    cpu_medians = {name: statistics.median(values) for name, values in cpu.items()}
     return {
         **memory,
         "seconds": medians,
         "all_seconds": times,
+        "cpu_seconds": cpu_medians,
         "ratio": medians["certify"] / medians["read"],
         "ratio_no_hash": medians["certify_no_hash"] / medians["read"],
+        "cpu_ratio": cpu_medians["certify"] / cpu_medians["read"],
+        "load_average": os.getloadavg()[0],
         "threads": torch.get_num_threads(),
     }
 
@@ -366,8 +375,10 @@ def show(report: dict[str, Any]) -> None:
     gb = pair["bytes_per_file"] / 1e9
     size = f"{pair['params'] / 1e9:.2f}B bf16 params, {pair['tensors']} tensors"
     print(f"pair: {size}, {gb:.2f} GB per file")
-    print(f"sequential read of both files: {s['read']:.3f} s (page cache warm)")
+    load = report["load_average"]
+    print(f"sequential read of both files: {s['read']:.3f} s (page cache warm; load {load:.1f})")
     print(f"certify, files hashed (xxh3): {s['certify']:.3f} s, ratio {report['ratio']:.2f}")
+    print(f"  CPU time (all threads) over the read's: {report['cpu_ratio']:.2f}")
     bare = report["ratio_no_hash"]
     print(f"certify, no file hashes:      {s['certify_no_hash']:.3f} s, ratio {bare:.2f}")
     print(
