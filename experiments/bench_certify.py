@@ -126,7 +126,7 @@ def child(folder: Path, spec: dict[str, Any], repeats: int) -> dict[str, Any]:
     """Run in a fresh process: memory first (one certify), then the timings."""
     import threading
 
-    from isolate.certify import certify
+    from isolate.certificates import certify
 
     paths = [folder / "base.safetensors", folder / "tuned.safetensors"]
     _read(paths)  # warm the page cache
@@ -218,7 +218,7 @@ def _failures(cert: Any) -> list[tuple[str, str]]:
 
 def _planted_in_state_dicts(folder: Path) -> dict[str, list[tuple[str, str]]]:
     """A base row changed, a tie broken, a drifted buffer: torch.save pairs."""
-    from isolate.certify import certify
+    from isolate.certificates import certify
 
     out = {}
     for name, plant in (
@@ -237,8 +237,8 @@ def _planted_in_state_dicts(folder: Path) -> dict[str, list[tuple[str, str]]]:
 
 def _stale_shard(folder: Path) -> list[tuple[str, str]]:
     """The shard holding a trained tensor, left from the base checkpoint."""
-    from isolate.certify import certify
-    from isolate.certify.dcp_folder import DcpCheckpoint
+    from isolate.certificates import certify
+    from isolate.certificates.dcp_folder import DcpCheckpoint
 
     _dcp(_small(), folder / "dcp-base")
     _dcp(_trained(_small()), folder / "dcp-tuned")
@@ -253,7 +253,7 @@ def _merge_scale_off(folder: Path) -> list[tuple[str, str]]:
     """A LoRA merged without its scale lora_alpha / r (= 2)."""
     from safetensors.torch import save_file
 
-    from isolate.certify import certify
+    from isolate.certificates import certify
 
     g = torch.Generator().manual_seed(1)
     base = {"q.weight": torch.randn(16, 8, generator=g).bfloat16()}

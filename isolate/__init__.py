@@ -14,10 +14,13 @@ The package has three layers, each importing only the ones below it:
 * the declarative path, :mod:`isolate.spec`: a spec as data, resolved into a plan, applied
   as a handle that thaws, checks, saves and undoes.
 * the ways in and out, :mod:`isolate.interop` (migration from finetuning-scheduler, leaving
-  isolate, default schedules), and the integrations at the edge (:mod:`isolate.lightning`),
+  isolate, default schedules), :mod:`isolate.certificates` (what a run did, proven from its
+  checkpoints alone: :func:`certify`), and the integrations at the edge (:mod:`isolate.lightning`),
   which ``import isolate`` does not import.
 """
 
+from isolate._version import __version__ as __version__
+from isolate.certificates import certify
 from isolate.cloning import Cloned, clone
 from isolate.cutoff import assert_reached
 from isolate.detaching import Detached, GradientScale, scale_gradient, stop_gradient
@@ -40,6 +43,7 @@ __all__ = [
     "Thaw",
     "assert_isolated",
     "assert_reached",
+    "certify",
     "clone",
     "freeze",
     "frozen",
@@ -48,5 +52,3 @@ __all__ = [
     "snapshot",
     "stop_gradient",
 ]
-
-__version__ = "0.1.0"

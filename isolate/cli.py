@@ -25,6 +25,10 @@ VERBS = {
         "isolate.interop.migrate",
         "convert a finetuning-scheduler schedule file to an isolate spec (YAML)",
     ),
+    "certify": (
+        "isolate.certificates.cli",
+        "certify from two checkpoints alone what a run froze, trained, merged and tied",
+    ),
 }
 """Verb -> (module, one-line help)."""
 

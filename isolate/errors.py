@@ -4,7 +4,7 @@ Every error the library raises derives from :class:`IsolationError`, and each su
 inherits the builtin that fits, so ``except ValueError`` keeps working for callers that do not
 know about ``isolate``.
 
-Certifying checkpoints (:mod:`isolate.certify`) adds ``CertificateError`` (a
+Certifying checkpoints (:mod:`isolate.certificates`) adds ``CertificateError`` (a
 ``ValueError``: a claim that does not fit the files) and its subclass ``CheckpointReadError``
 (a file that cannot be read safely: truncated, not weights-only, of an unknown format).
 """

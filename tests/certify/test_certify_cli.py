@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from _certify_data import base_state, lora_adapter, lora_base, merged, pair, trained, write_lora
 
-from isolate.certify import main
+from isolate.certificates import main
 
 
 def test_clean_run_exits_0_and_writes_the_certificate(
@@ -96,7 +96,7 @@ def test_a_truncated_file_exits_2_naming_it(
 
 
 def test_every_option_has_help(capsys: pytest.CaptureFixture[str]) -> None:
-    from isolate.certify.cli import parser
+    from isolate.certificates.cli import parser
 
     for action in parser()._actions:
         assert action.help, action.dest

@@ -20,8 +20,8 @@ from _certify_data import (
     write_lora,
 )
 
-from isolate.certify import certify
-from isolate.certify.dcp_folder import DcpCheckpoint
+from isolate.certificates import certify
+from isolate.certificates.dcp_folder import DcpCheckpoint
 
 
 def test_one_base_row_changed(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from _certify_data import SPEC, base_state, pair, save, trained
 
-from isolate.certify import certify
-from isolate.certify.dcp_folder import DcpCheckpoint
+from isolate.certificates import certify
+from isolate.certificates.dcp_folder import DcpCheckpoint
 from isolate.errors import CertificateError, CheckpointReadError, IsolationError, SelectorError
 
 

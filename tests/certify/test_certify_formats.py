@@ -13,8 +13,8 @@ import xxhash
 from _certify_data import FORMATS, SPEC, base_state, pair, save, save_dcp, trained
 from safetensors.torch import save_file
 
-from isolate.certify import certify
-from isolate.certify.checkpoint import open_checkpoint
+from isolate.certificates import certify
+from isolate.certificates.opening import open_checkpoint
 from isolate.errors import CheckpointReadError
 from isolate.fingerprints import fingerprint
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytorch_lightning as pl
 from _lightning_models import Net, loader
 
-from isolate.certify import certify
+from isolate.certificates import certify
 from isolate.lightning import IsolationCallback
 from isolate.spec import IsolationSpec
 

@@ -11,8 +11,8 @@ import torch
 from _certify_data import ALPHA, TARGET, R, lora_adapter, lora_base, merged, write_lora
 from safetensors.torch import save_file
 
-from isolate.certify import certify
-from isolate.certify.merge import check_merge
+from isolate.certificates import certify
+from isolate.certificates.merge import check_merge
 from isolate.errors import CertificateError
 
 

@@ -15,8 +15,8 @@ import torch
 from _certify_data import SPEC, base_state, trained
 from _launch import launch
 
-from isolate.certify import certify
-from isolate.certify.dcp_folder import DcpCheckpoint
+from isolate.certificates import certify
+from isolate.certificates.dcp_folder import DcpCheckpoint
 
 SCRIPT = Path(__file__).with_name("_dcp_script.py")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from _certify_data import FORMATS, SPEC, base_state, pair, trained
 
-from isolate.certify import certify
+from isolate.certificates import certify
 from isolate.spec import IsolationSpec
 
 

@@ -22,10 +22,18 @@ from isolate.errors import CertificateError
 from isolate.spec.data import SpecData
 
 if TYPE_CHECKING:
-    from isolate.certify.checkpoint import TensorMeta
-    from isolate.certify.peft import LoraDelta
+    from isolate.certificates.checkpoint import TensorMeta
 
-__all__ = ["BUFFERS", "Claim", "closest", "load_spec", "spec_claims", "with_rows", "with_ties"]
+__all__ = [
+    "BUFFERS",
+    "Claim",
+    "LoraDelta",
+    "closest",
+    "load_spec",
+    "spec_claims",
+    "with_rows",
+    "with_ties",
+]
 
 Kind = Literal["frozen", "trainable", "held", "free", "merged", "saved", "rows"]
 
@@ -33,6 +41,19 @@ BUFFERS = ("*.running_mean", "*.running_var", "*.num_batches_tracked")
 """The keys taken for buffers by default: BatchNorm's running statistics and step counter."""
 
 CALLER = "certify()"
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """One merged weight: ``scale * B @ A`` from the adapter's keys (transposed for
+    ``fan_in_fan_out`` layers and embeddings)."""
+
+    a_key: str
+    b_key: str
+    scale: float
+    alpha: float
+    rank: int
+    transposed: bool
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ from functools import cached_property
 
 import torch
 
-from isolate.certify.certificate import Verdict
-from isolate.certify.checkpoint import Checkpoint, Source
-from isolate.certify.claims import Claim
-from isolate.certify.compare import as_bits, diff_rows, rows_in
-from isolate.certify.merge import check_merge
+from isolate.certificates.certificate import Verdict
+from isolate.certificates.checkpoint import Checkpoint, Source
+from isolate.certificates.claims import Claim
+from isolate.certificates.compare import as_bits, diff_rows, rows_in
+from isolate.certificates.merge import check_merge
 from isolate.fingerprints import fingerprint
 
 __all__ = ["Pair", "judge"]

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from isolate._selectors import select_names
-from isolate.certify.checkpoint import Checkpoint, TensorMeta
-from isolate.certify.claims import BUFFERS, CALLER, Claim, closest, with_rows
+from isolate.certificates.checkpoint import Checkpoint, TensorMeta
+from isolate.certificates.claims import BUFFERS, CALLER, Claim, LoraDelta, closest, with_rows
 from isolate.errors import CertificateError
 
 __all__ = ["LoraConfig", "LoraDelta", "adapter_claims"]
@@ -31,19 +31,6 @@ _PAIRS = (
     (".lora_A.weight", ".lora_B.weight", False),
     (".lora_embedding_A", ".lora_embedding_B", True),
 )
-
-
-@dataclass(frozen=True)
-class LoraDelta:
-    """One merged weight: ``scale * B @ A`` from the adapter's keys (transposed for
-    ``fan_in_fan_out`` layers and embeddings)."""
-
-    a_key: str
-    b_key: str
-    scale: float
-    alpha: float
-    rank: int
-    transposed: bool
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Certify from two checkpoints alone what a run froze, trained, merged and tied.
 
-``isolate certify BASE TUNED ...``, the command line over :func:`isolate.certify.certify`:
+``isolate certify BASE TUNED ...``, the command line over :func:`isolate.certificates.certify`:
 ``add_arguments`` and ``run`` make it a verb of the ``isolate`` command, ``main`` runs it on
 its own. Exit status: 0 when the certificate is clean, 1 when a claim fails, 2 on bad input
 (one line on stderr naming the file or tensor and the fix).
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from isolate.certify.api import certify
-from isolate.certify.claims import BUFFERS
+from isolate.certificates.api import certify
+from isolate.certificates.claims import BUFFERS
 from isolate.errors import CertificateError, IsolationError
 from isolate.spec.data import SpecData
 

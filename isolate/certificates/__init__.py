@@ -11,9 +11,9 @@ versions, so that anyone can check it again. ``main`` is the command line
 A certificate shows which tensors changed; it cannot show which loss changed them.
 """
 
-from isolate.certify.api import certify
-from isolate.certify.certificate import Certificate, FileRecord, Verdict
-from isolate.certify.cli import main
-from isolate.certify.peft import LoraConfig
+from isolate.certificates.api import certify
+from isolate.certificates.certificate import Certificate, FileRecord, Verdict
+from isolate.certificates.cli import main
+from isolate.certificates.peft import LoraConfig
 
 __all__ = ["Certificate", "FileRecord", "LoraConfig", "Verdict", "certify", "main"]

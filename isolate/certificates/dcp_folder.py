@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from isolate.certify.checkpoint import WINDOW, Checkpoint, Kind, Source, TensorMeta, choose_group
+from isolate.certificates.checkpoint import (
+    WINDOW,
+    Checkpoint,
+    Kind,
+    Source,
+    TensorMeta,
+    choose_group,
+)
 from isolate.errors import CheckpointReadError
 
 __all__ = ["DcpCheckpoint", "load_metadata"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from isolate.certify.checkpoint import WINDOW, Checkpoint, Kind, TensorMeta, choose_group
+from isolate.certificates.checkpoint import WINDOW, Checkpoint, Kind, TensorMeta, choose_group
 from isolate.errors import CheckpointReadError
 
 __all__ = ["TorchCheckpoint", "load_weights_only"]

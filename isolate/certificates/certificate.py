@@ -72,7 +72,7 @@ def versions() -> dict[str, str]:
     """The versions of what computed the certificate."""
     import torch
 
-    from isolate import __version__
+    from isolate._version import __version__
 
     found = {
         "isolate": __version__,

@@ -12,11 +12,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from isolate.certify.certificate import Verdict
-from isolate.certify.checkpoint import Checkpoint
-from isolate.certify.claims import Claim
-from isolate.certify.structure import detect_ties, key_verdicts, tie_verdicts
-from isolate.certify.verdicts import Pair, judge
+from isolate.certificates.certificate import Verdict
+from isolate.certificates.checkpoint import Checkpoint
+from isolate.certificates.claims import Claim
+from isolate.certificates.structure import detect_ties, key_verdicts, tie_verdicts
+from isolate.certificates.verdicts import Pair, judge
 
 __all__ = ["Pass", "run"]
 

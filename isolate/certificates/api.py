@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from isolate._selectors import select_names
-from isolate.certify.certificate import Certificate, FileRecord, Verdict, versions
-from isolate.certify.checkpoint import WINDOW, Checkpoint, open_checkpoint
-from isolate.certify.claims import (
+from isolate.certificates.certificate import Certificate, FileRecord, Verdict, versions
+from isolate.certificates.checkpoint import WINDOW, Checkpoint
+from isolate.certificates.claims import (
     BUFFERS,
     CALLER,
     Claim,
@@ -20,9 +20,10 @@ from isolate.certify.claims import (
     with_rows,
     with_ties,
 )
-from isolate.certify.engine import Pass, run
-from isolate.certify.filehash import FileHash
-from isolate.certify.peft import LoraConfig, adapter_claims
+from isolate.certificates.engine import Pass, run
+from isolate.certificates.filehash import FileHash
+from isolate.certificates.opening import open_checkpoint
+from isolate.certificates.peft import LoraConfig, adapter_claims
 from isolate.errors import CertificateError
 from isolate.spec.data import SpecData
 
@@ -126,7 +127,7 @@ def certify(
         window: bytes read from one memory mapping before it is released.
 
     Returns:
-        A :class:`~isolate.certify.certificate.Certificate`; ``.clean`` says whether every
+        A :class:`~isolate.certificates.certificate.Certificate`; ``.clean`` says whether every
         claim holds.
 
     Raises:

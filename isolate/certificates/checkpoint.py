@@ -18,11 +18,11 @@ from typing import ClassVar, Literal
 
 import torch
 
-from isolate.certify.filehash import FileHash, hash_file
+from isolate.certificates.filehash import FileHash, hash_file
 from isolate.errors import CheckpointReadError
 from isolate.fingerprints import fingerprint
 
-__all__ = ["WINDOW", "Checkpoint", "Source", "TensorMeta", "choose_group", "open_checkpoint"]
+__all__ = ["WINDOW", "Checkpoint", "Source", "TensorMeta", "choose_group"]
 
 WINDOW = 64 << 20
 """Bytes handed out from one mapping of a file before it is mapped afresh."""
@@ -171,51 +171,3 @@ def choose_group(entries: Mapping[str, Kind], key: str | None, where: str) -> st
         f"{where}: holds no tensors at its top level and none of the groups {list(GROUPS)}; "
         f"its groups are {groups}: name the one with the weights, e.g. key={groups[:1] or ['']}"
     )
-
-
-def _sniff(path: Path) -> str:
-    with path.open("rb") as f:
-        head = f.read(16)
-    if head.startswith(b"PK\x03\x04"):
-        return "torch"
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
-    if head[:1] == b"\x80":
-        raise CheckpointReadError(
-            f"{path.name}: a plain pickle (or the legacy torch.save format), which cannot be "
-            f"memory-mapped or read weights-only; re-save it with torch.save (PyTorch >= 1.6) "
-            f"or as safetensors"
-        )
-    raise CheckpointReadError(
-        f"{path.name}: not a safetensors file, a torch.save zip file or a "
-        f"torch.distributed.checkpoint folder (it starts {head[:8]!r}); it may be truncated"
-    )
-
-
-def open_checkpoint(path: str | Path, *, key: str | None = "auto") -> Checkpoint:
-    """Open a safetensors file, a ``torch.save`` file or a torch.distributed.checkpoint folder.
-
-    Args:
-        path: the file or folder.
-        key: the group that holds the weights (a Lightning checkpoint's ``"state_dict"``);
-            ``"auto"`` takes the top level if it holds tensors, else the first of
-            :data:`GROUPS` present; ``None`` takes the top level.
-
-    Raises:
-        CheckpointReadError: the path does not exist, or is not a checkpoint that can be read
-            safely (a pickle that is not weights-only, a truncated file).
-    """
-    path = Path(path)
-    if path.is_dir():
-        from isolate.certify.dcp_folder import DcpCheckpoint
-
-        return DcpCheckpoint(path, key=key)
-    if not path.is_file():
-        raise CheckpointReadError(f"{path}: no such file or folder; check the path")
-    if _sniff(path) == "safetensors":
-        from isolate.certify.safetensors_file import SafetensorsCheckpoint
-
-        return SafetensorsCheckpoint(path, key=key)
-    from isolate.certify.torch_file import TorchCheckpoint
-
-    return TorchCheckpoint(path, key=key)

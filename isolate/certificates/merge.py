@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isolate.certify.compare import row_blocks
+from isolate.certificates.compare import row_blocks
 
 __all__ = ["MergeCheck", "check_merge"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 
-from isolate.certify.certificate import Verdict
-from isolate.certify.checkpoint import Checkpoint, TensorMeta
-from isolate.certify.compare import diff_rows, is_constant
+from isolate.certificates.certificate import Verdict
+from isolate.certificates.checkpoint import Checkpoint, TensorMeta
+from isolate.certificates.compare import diff_rows, is_constant
 
 __all__ = ["detect_ties", "key_verdicts", "tie_verdicts"]
 

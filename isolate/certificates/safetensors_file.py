@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from isolate.certify.checkpoint import WINDOW, Checkpoint, TensorMeta
-from isolate.certify.filehash import label, new_hasher
+from isolate.certificates.checkpoint import WINDOW, Checkpoint, TensorMeta
+from isolate.certificates.filehash import label, new_hasher
 from isolate.errors import CheckpointReadError
 from isolate.fingerprints import HostFingerprint
 
