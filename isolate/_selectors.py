@@ -5,9 +5,9 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias, TypeGuard
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -16,12 +16,11 @@ from isolate._walker import Tree
 from isolate.errors import IsolationTypeError, SelectorError
 
 __all__ = [
-    "Protected",
     "Selection",
     "Selector",
     "check_module",
     "describe",
-    "resolve_named",
+    "is_float",
     "select",
     "select_names",
 ]
@@ -333,137 +332,6 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
 def is_float(p: torch.Tensor) -> bool:
     """Whether autograd can track ``p`` (only floating point and complex tensors)."""
     return p.is_floating_point() or p.is_complex()
-
-
-_Item = (
-    nn.Module | torch.Tensor | str | tuple[str, torch.Tensor] | Callable[[str, nn.Parameter], bool]
-)
-Protected = _Item | Mapping[str, torch.Tensor] | Iterable[_Item]
-"""Which parameters to check.
-
-* a module (all its parameters), or several modules;
-* a mapping of names to parameters, or ``(name, parameter)`` pairs such as
-  ``model.encoder.named_parameters()``;
-* parameters, or an iterable of them such as ``model.encoder.parameters()``;
-* with ``model=``: selector strings and predicates ``fn(name, parameter) -> bool``, in the
-  grammar of :data:`Selector` (names, globs, ``type:``, ``!`` exclusions), resolved together
-  as in :func:`isolate.freeze`.
-
-With ``model=`` every parameter is named by its qualified name in ``model`` (all names of a
-tied parameter); without it, by its name in the module or pair that holds it.
-"""
-
-
-@dataclass(frozen=True)
-class _Named:
-    name: str
-    tensor: torch.Tensor
-    owner: str | None  # "'encoder.0' (Linear)" when it can be told
-
-
-def _owner(root: nn.Module | None, name: str, prefix: str = "") -> str | None:
-    if root is None:
-        return None
-    module_name = name.removeprefix(prefix).rpartition(".")[0]
-    try:
-        module = root.get_submodule(module_name)
-    except AttributeError:
-        return None
-    shown = (prefix + module_name).rstrip(".") or "<root>"
-    return f"{shown!r} ({type(module).__name__})"
-
-
-def _split_items(target: object, caller: str) -> list[object]:
-    if isinstance(target, (nn.Module, torch.Tensor, str)) or callable(target):
-        return [target]
-    if isinstance(target, Mapping):
-        return list(target.items())
-    if _is_pair(target):
-        return [target]
-    if isinstance(target, Iterable):
-        return list(target)
-    raise IsolationTypeError(
-        f"{caller}: cannot tell which parameters {type(target).__name__} means; pass a "
-        f"module, parameters, (name, parameter) pairs, or selector strings with model="
-    )
-
-
-def _is_pair(obj: object) -> TypeGuard[tuple[str, torch.Tensor]]:
-    return (
-        isinstance(obj, tuple)
-        and len(obj) == 2
-        and isinstance(obj[0], str)
-        and isinstance(obj[1], torch.Tensor)
-    )
-
-
-def resolve_named(target: object, model: nn.Module | None, caller: str) -> list[_Named]:
-    """Turn a :data:`Protected` value into named tensors, every alias listed, no repeats."""
-    if model is not None:
-        check_module(model, caller)
-    items = _split_items(target, caller)
-    names_of: dict[int, list[str]] = {}
-    if model is not None:
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(name)
-    several_modules = sum(isinstance(item, nn.Module) for item in items) > 1
-    out: dict[str, _Named] = {}
-    selectors: list[Selector] = []
-
-    def add(name: str, tensor: torch.Tensor, owner: str | None) -> None:
-        out.setdefault(name, _Named(name, tensor, owner))
-
-    for index, item in enumerate(items):
-        if isinstance(item, nn.Module):
-            if model is not None:
-                prefixes = [n for n, m in model.named_modules(remove_duplicate=False) if m is item]
-                if not prefixes:
-                    raise SelectorError(
-                        f"{caller}: the {type(item).__name__} passed is not a submodule of "
-                        f"{describe(model)}; pass one of its own modules, or leave out model="
-                    )
-                prefix = prefixes[0] + "." if prefixes[0] else ""
-                for name, p in item.named_parameters(remove_duplicate=False):
-                    for full in names_of.get(id(p), [prefix + name]):
-                        add(full, p, _owner(model, full))
-            else:
-                prefix = f"[{index}]." if several_modules else ""
-                for name, p in item.named_parameters(remove_duplicate=False):
-                    add(prefix + name, p, _owner(item, prefix + name, prefix))
-        elif isinstance(item, torch.Tensor):
-            known = names_of.get(id(item))
-            if known:
-                for full in known:
-                    add(full, item, _owner(model, full))
-            else:
-                add(f"<tensor #{index}, shape {tuple(item.shape)}>", item, None)
-        elif _is_pair(item):
-            name, tensor = item
-            known = names_of.get(id(tensor), [])
-            add(name, tensor, _owner(model, name) if name in known else None)
-        elif isinstance(item, str) or callable(item):
-            if model is None:
-                raise IsolationTypeError(
-                    f"{caller}: the selector {item!r} needs the model to resolve against; "
-                    f"pass model=, or pass the module or parameters themselves"
-                )
-            selectors.append(item)  # resolved together: an exclusion applies to the others
-        else:
-            raise IsolationTypeError(
-                f"{caller}: item {index} is a {type(item).__name__}; expected a module, a "
-                f"parameter, a (name, parameter) pair, or a selector string with model="
-            )
-    if selectors and model is not None:
-        for p in select(model, tuple(selectors), caller).params.values():
-            for full in names_of[id(p)]:
-                add(full, p, _owner(model, full))
-    if not out:
-        raise SelectorError(
-            f"{caller}: {type(target).__name__} names no parameter to check, so the check "
-            f"would pass whatever the loss does; pass modules that hold parameters, and "
-            f"lists rather than generators (a generator is empty the second time)"
-        )
-    return list(out.values())
 
 
 def select_names(

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from isolate._autograd import graph_inputs
-from isolate._selectors import Protected, check_module, resolve_named, select
+from isolate._protected import Protected, resolve_named
+from isolate._selectors import check_module, select
 from isolate._sharding import roots_of
 from isolate.drift import max_abs_diff
 from isolate.errors import IsolationTypeError

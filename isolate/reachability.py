@@ -10,7 +10,8 @@ from __future__ import annotations
 from torch import nn
 
 from isolate._autograd import Losses, check_losses, walk
-from isolate._selectors import Protected, check_module, resolve_named
+from isolate._protected import Protected, resolve_named
+from isolate._selectors import check_module
 from isolate._sharding import check_leaves, roots_of
 from isolate.errors import GradientLeakError
 

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from isolate._autograd import Losses
-from isolate._selectors import Protected, Selector
+from isolate._protected import Protected
+from isolate._selectors import Selector
 from isolate.cutoff import assert_reached, trace_forward
 from isolate.drift import ParameterFilter, Snapshot, snapshot
 from isolate.errors import GradientLeakError
