@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from experiments import bench
+from experiments.bench.__main__ import main
+from experiments.bench.networks import transformer
+from experiments.bench.scale import ScaleConfig, callback_verification
+from experiments.bench.sharded import ShardedConfig
 from isolate.errors import DriftError
 
 COLUMNS = {
@@ -64,7 +68,7 @@ def check_rows(out: Path) -> list[dict[str, Any]]:
 
 
 def test_quick_benchmark_writes_json_and_markdown(tmp_path: Path) -> None:
-    assert bench.main(["--quick", "--only", "freeze", "report", "--output", str(tmp_path)]) == 0
+    assert main(["--quick", "--only", "freeze", "report", "--output", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "bench.json").read_text())
     assert payload["env"]["quick"] is True and payload["env"]["torch"]
     rows = check_rows(tmp_path)
@@ -89,9 +93,9 @@ TINY_SHARDED = {
 def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     sizes = [f"--scale-{k.replace('_', '-')}={v}" for k, v in TINY.items()]
     argv = ["--only", "scale", "--output", str(tmp_path), "--scale-repeat=2", *sizes]
-    assert bench.main(argv) == 0
+    assert main(argv) == 0
     payload = json.loads((tmp_path / "bench.json").read_text())
-    assert payload["env"]["scale"] == vars(bench.ScaleConfig(**TINY, repeat=2))
+    assert payload["env"]["scale"] == vars(ScaleConfig(**TINY, repeat=2))
     rows = {row["name"].split(",")[0]: row for row in check_rows(tmp_path)}
     assert list(rows) == [
         "fingerprint snapshot",
@@ -112,7 +116,7 @@ def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     memory = rows["fingerprint snapshot extra resident memory"]
     assert memory["unit"] == "bytes" and memory["metric_name"] == "extra MB"
     assert memory["baseline_s"] == sum(
-        p.numel() * p.element_size() for p in bench.transformer(2, 64, 4).parameters()
+        p.numel() * p.element_size() for p in transformer(2, 64, 4).parameters()
     )
     assert memory["extra"]["snapshot(copy=True) extra MB"] >= 0
     callback = rows["callback verification vs training step"]
@@ -122,13 +126,13 @@ def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
 
 
 def test_the_verification_hook_sees_a_frozen_tensor_move() -> None:
-    defaults = bench.ScaleConfig()
+    defaults = ScaleConfig()
     assert (defaults.layers, defaults.width) == (24, 1024)  # the 302M-parameter default
-    model = bench.transformer(2, 32, 4)
-    verify = bench.callback_verification(model, ["layers.0.linear1.weight"])
-    loss = model(bench.torch.randn(1, 3, 32)).square().mean()
+    model = transformer(2, 32, 4)
+    verify = callback_verification(model, ["layers.0.linear1.weight"])
+    loss = model(torch.randn(1, 3, 32)).square().mean()
     verify(loss)  # unchanged: passes
-    with bench.torch.no_grad():
+    with torch.no_grad():
         model.layers[0].linear1.weight[0, 0] += 1
     try:
         verify(loss)
@@ -143,9 +147,9 @@ def test_sharded_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     """2 processes under fully_shard (it launches them): the verification runs every check,
     the ranks collective on both ranks, and catches a frozen shard that moved on one rank."""
     sizes = [f"--sharded-{k.replace('_', '-')}={v}" for k, v in TINY_SHARDED.items()]
-    assert bench.main(["--only", "sharded", "--output", str(tmp_path), *sizes]) == 0
+    assert main(["--only", "sharded", "--output", str(tmp_path), *sizes]) == 0
     payload = json.loads((tmp_path / "bench.json").read_text())
-    assert payload["env"]["sharded"] == vars(bench.ShardedConfig(**TINY_SHARDED))
+    assert payload["env"]["sharded"] == vars(ShardedConfig(**TINY_SHARDED))
     rows = {row["name"].split(",")[0]: row for row in check_rows(tmp_path)}
     assert list(rows) == [
         "FSDP2 verification vs one training step",

@@ -1,0 +1,22 @@
+"""Benchmarks: what isolation costs and what it saves, each as a ratio against its baseline
+measured in the same run.
+
+Run ``python -m experiments.bench`` (``--quick`` for small sizes). Results are printed as a
+Markdown table and written to ``outputs/bench/bench.json`` and ``outputs/bench/bench.md``.
+The ``scale`` section (``--only scale``) measures the checks on a large model; its size is set
+by ``--scale-layers/--scale-width`` (default: 24 encoder layers of width 1024, 302M
+parameters, 1.2 GB in fp32; under 3 minutes at one thread on a busy 2-core machine, peak resident
+memory under 4 GB).
+The ``sharded`` section (``--only sharded``) measures the engine's verification against a
+training step under ``fully_shard`` (FSDP2) on 2 CPU processes (gloo); its size is set by
+``--sharded-layers/--sharded-width`` (default: 8 encoder layers of width 512, 25M parameters,
+40 s on an idle 2-core machine).
+
+Every row states its target as a limit on one number (``metric``, the ratio unless said
+otherwise), and ``ok`` is that limit applied to the number written next to it.
+
+One module per section (:mod:`~experiments.bench.wrappers`, ``freeze``, ``reachability``,
+``report``, ``frozen``, ``callback``, ``scale``, ``sharded``), over a shared timing
+harness (``_timing``: every figure is the median of interleaved repeats (A, B, A, B, ...)
+after warm-up, so slow phases of a shared machine hit both sides alike).
+"""
