@@ -24,32 +24,31 @@ run records names no folder of this machine.
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import inspect
 import logging
 import os
-import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from experiments.data import ENV_DATA_ROOT, TEST_FILES, MNISTDataModule
+from experiments.parsing import (
+    BASE_PRESET,
+    PROG,
+    REPO,
+    SUITE_DESCRIPTION,
+    ExperimentParser,
+    suite_parser,
+)
 from experiments.recording import Recorder
 
 __all__ = [
-    "BASE_PRESET",
-    "CONFIGS",
-    "PROG",
-    "REPO",
     "ExperimentCLI",
-    "ExperimentParser",
     "cli_main",
     "default_data_root",
     "display_path",
@@ -57,10 +56,6 @@ __all__ = [
     "resolve_data_root",
 ]
 
-PROG = "python -m experiments"
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
-BASE_PRESET = CONFIGS / "presets" / "base.yaml"
 SHARED_DATA = REPO.parent / "shared" / "data"
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # torchvision's folder under a data root, per ``MNISTDataModule(dataset=...)``.
@@ -156,104 +151,6 @@ def quiet_known_noise() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def variant_names() -> list[str]:
-    """The stems of ``configs/*.yaml``: the variants a run or the suite can start from."""
-    return sorted(path.stem for path in CONFIGS.glob("*.yaml"))
-
-
-# --------------------------------------------------------------------------------------------
-# Errors: one short message with the fix, not the whole usage
-
-
-def _short(message: str) -> str:
-    """The part of a jsonargparse message that names the culprit.
-
-    A config value that fails inside a ``class_path`` comes wrapped in the list of every type
-    the value could have had; only the class's own complaint says what is wrong.
-    """
-    found = re.search(r"Problem with given class_path '([\w.]+)':\n((?:\s{6,}.*\n?)+)", message)
-    if not found:
-        return message.strip()
-    inner = " ".join(line.strip() for line in found.group(2).splitlines() if line.strip())
-    key = re.match(r'Parser key "([\w.]+)"', message)
-    where = f"{key.group(1)} ({found.group(1)})" if key else found.group(1)
-    return f"{where}: {inner}"
-
-
-def _parameters(class_path: str) -> list[str]:
-    """The ``__init__`` parameters of ``class_path``, for "did you mean"; ``[]`` if unknown."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return []
-
-
-def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=2, cutoff=0.75)
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-
-def _options(parser: Any) -> list[str]:
-    return [a.dest for a in getattr(parser, "_actions", []) if a.dest and a.dest != "help"]
-
-
-def _explain(message: str, parser: Any) -> str:
-    """``message`` shortened, with a "did you mean" or the flag that fixes it where one fits."""
-    short = _short(message)
-    # A key in a config file that the class does not take (a typo, mostly).
-    option = re.search(r"Option '(\w+)' is not accepted", short)
-    class_path = re.search(r"\(([\w.]+)\)|^([\w.]+):", short)
-    if option and class_path:
-        path = class_path.group(1) or class_path.group(2)
-        return f"{short}{_did_you_mean(option.group(1), _parameters(path))}"
-    # An option (or config key) the parser does not know.
-    group = re.search(r"Group '([\w.]+)' does not accept option '(\w+)'", short)
-    if group:
-        word = f"{group.group(1)}.{group.group(2)}"
-        return f"{short}{_did_you_mean(word, _options(parser))}"
-    given = re.search(r"unrecognized arguments: --([\w.]+)", short)
-    if given:
-        return f"{short}{_did_you_mean(given.group(1), _options(parser))}"
-    unknown = re.search(
-        r"does not accept option '([\w.]+)'|Option '([\w.]+)' is not accepted", short
-    )
-    if unknown:
-        word = unknown.group(1) or unknown.group(2)
-        return f"{short}{_did_you_mean(word, _options(parser))}"
-    choice = re.search(r"invalid choice: '([\w.-]+)' \(choose from (.*)\)", short)
-    if choice:
-        choices = re.findall(r"'([^']+)'", choice.group(2))
-        return f"{short}{_did_you_mean(choice.group(1), choices)}"
-    required = re.search(r"required: (\w+)\.model\b", short)
-    if required:
-        sub = required.group(1)
-        return (
-            f"{sub} needs a model: pass a variant's config, e.g. "
-            f"{PROG} {sub} --config configs/detached.yaml "
-            f"(variants in configs/: {', '.join(variant_names())})"
-        )
-    return short
-
-
-class ExperimentParser(LightningArgumentParser):
-    """LightningCLI's parser, with errors as one short message instead of 40 lines of usage.
-
-    The message names the culprit, adds a "did you mean" for a misspelt key or option and the
-    flag to pass for a missing model, and points at ``--help`` for the full usage.
-    """
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"{prog}: error: {_explain(message, parser)}\n")
-        sys.stderr.write(f"See '{prog} --help' for every option.\n")
-        self.exit(2)
-
-
 class ExperimentCLI(LightningCLI):
     """LightningCLI over :class:`~experiments.data.MNISTDataModule` and any LightningModule.
 
@@ -276,13 +173,11 @@ class ExperimentCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
-        from experiments.suite import DESCRIPTION, build_parser
-
         # Listed beside fit and the rest; `python -m experiments suite` runs it
         # (experiments/__main__.py), since it is many runs, not one Trainer call.
         subcommands = parser._subcommands_action
         if subcommands is not None:
-            subcommands.add_subcommand("suite", build_parser(), help=DESCRIPTION)
+            subcommands.add_subcommand("suite", suite_parser(), help=SUITE_DESCRIPTION)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(Recorder, "record")

@@ -48,29 +48,16 @@ import torch
 import yaml
 
 from experiments.claims import evaluate_checks
-from experiments.cli import (
-    BASE_PRESET,
-    CONFIGS,
-    PROG,
-    REPO,
-    ExperimentParser,
-    cli_main,
-    display_path,
-    quiet_known_noise,
-    resolve_data_root,
-)
+from experiments.cli import cli_main, display_path, quiet_known_noise, resolve_data_root
 from experiments.data import MNISTDataModule, TestSplitOnlyWarning
+from experiments.parsing import BASE_PRESET, CONFIGS, PROG, REPO, suite_parser
 from experiments.recording import GRADS_FILE, RUN_FILE, TRUNK_FILE, load_run, summary_line
 from experiments.variants import Variant, discover, select
 
-__all__ = ["DESCRIPTION", "build_parser", "evaluate_checks", "main", "run_suite", "run_variant"]
+__all__ = ["evaluate_checks", "main", "run_suite", "run_variant"]
 
 PRESETS = CONFIGS / "presets"
 TIMINGS_FILE = "timings.json"
-DESCRIPTION = (
-    "Run every variant in configs/ with identical seeds and data order, check what each "
-    "declares, and write the report (Markdown, JSON, PNG) into --output."
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,69 +465,9 @@ _DEPRECATED = {
 }
 
 
-def build_parser() -> ExperimentParser:
-    """The parser of ``python -m experiments suite``, also listed in ``python -m experiments
-    --help``."""
-    parser = ExperimentParser(
-        prog=f"{PROG} suite",
-        description=DESCRIPTION + " Any other option of fit (--trainer.*, --model.*, --data.*, "
-        "--record.*) is passed to every run, e.g. --data.limit_train=640.",
-    )
-    parser.add_argument("--output", type=str, default="outputs/suite", help="the report's folder")
-    parser.add_argument("--quick", action="store_true", help="add configs/presets/quick.yaml")
-    parser.add_argument(
-        "--ddp", action="store_true", help="add configs/presets/ddp.yaml (2 CPU processes)"
-    )
-    parser.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="add configs/presets/fsdp.yaml (FSDP2 through ModelParallelStrategy, 2 CPU "
-        "processes); variants whose model cannot be sharded are skipped, with the reason",
-    )
-    parser.add_argument(
-        "--config", action="append", default=[], help="another config for every run (repeat)"
-    )
-    parser.add_argument(
-        "--only",
-        type=str | None,
-        default=None,
-        help="comma-separated variant names (and the runs they are compared with)",
-    )
-    parser.add_argument(
-        "--data.dataset",
-        type=str,
-        choices=["mnist", "fashion_mnist"],
-        default="mnist",
-        help="the same experiments on Fashion-MNIST with fashion_mnist",
-    )
-    parser.add_argument(
-        "--data.data_root",
-        type=str | None,
-        default=None,
-        help="default: ISOLATE_DATA_ROOT, else ../shared/data",
-    )
-    parser.add_argument(
-        "--data.cache_dir", type=str | None, default=None, help="the datamodule's cache folder"
-    )
-    parser.add_argument(
-        "--data.download",
-        type=bool | None,
-        default=None,
-        help="download the dataset if the full dataset is missing (default: only when the data "
-        "root lacks even the test split)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int | None,
-        default=1,
-        help="torch threads of every run, as in fit (default 1)",
-    )
-    return parser
-
-
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """The suite's own arguments, and the run options passed on to every run."""
-    own = {a.dest for a in build_parser()._actions}
+    own = {a.dest for a in suite_parser()._actions}
     mine: list[str] = []
     runs: list[str] = []
     items = list(argv)
@@ -567,7 +494,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m experiments suite``; returns 1 if a check failed."""
     mine, overrides = _split(sys.argv[1:] if argv is None else argv)
-    options = build_parser().parse_args(mine)
+    options = suite_parser().parse_args(mine)
     progress_bar = sys.stderr.isatty()
     for arg in overrides:
         if arg.startswith("--trainer.enable_progress_bar="):
@@ -592,5 +519,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         if "unknown variants" not in str(error) and "choose one" not in str(error):
             raise
-        build_parser().error(str(error))
+        suite_parser().error(str(error))
     return 0 if all(check["ok"] for check in results["checks"]) else 1
