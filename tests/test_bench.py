@@ -3,14 +3,19 @@ row is well formed, and its verdict is its own stated limit applied to its own n
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from experiments.bench import imports
 from experiments.bench.__main__ import main
 from experiments.bench.networks import transformer
 from experiments.bench.scale import ScaleConfig, callback_verification
@@ -184,3 +189,58 @@ def test_sharded_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     raised = per_check["extra"]["layers.0.linear1.weight moved on rank 1, raised by rank"]
     assert raised[0].startswith("DriftError: IsolationSpec: on rank 1 of 2: frozen tensors moved")
     assert raised[1].startswith("DriftError: ") and "'layers.0.linear1.weight'" in raised[1]
+
+
+def test_each_package_is_credited_to_the_innermost_isolate_module_that_imported_it() -> None:
+    result = doctest.testmod(imports)
+    assert result.failed == 0 and result.attempted > 0
+    log = "\n".join(
+        [
+            "import time: self [us] | cumulative | imported package",
+            "import time:   4 |   4 | numpy",  # before isolate: not its doing
+            "import time:   3 |   3 |         torch._dynamo.utils",
+            "import time:   6 |   9 |       torch._dynamo",
+            "import time:   2 |  11 |     torch.compiler",
+            "import time:   1 |  12 |   isolate.freezing",
+            "import time:   5 |   5 |       sympy.core",
+            "import time:   1 |   6 |     isolate.drift",
+            "import time:   1 |   7 |   isolate.spec",
+            "import time:   1 |  20 | isolate",
+        ]
+    )
+    packages = ["sympy", "torch._dynamo", "numpy", "torch.compiler"]
+    assert imports.first_importers(log, packages) == {
+        "sympy": "isolate.drift",
+        "torch._dynamo": "isolate.freezing",
+        "torch.compiler": "isolate.freezing",
+    }
+
+
+@pytest.mark.slow
+def test_import_section_times_fresh_interpreters_and_names_what_isolate_loads(
+    tmp_path: Path,
+) -> None:
+    assert main(["--quick", "--only", "imports", "--output", str(tmp_path)]) == 0
+    (row,) = check_rows(tmp_path)
+    assert row["name"] == "import isolate vs import torch, each in a fresh interpreter"
+    assert (row["candidate"], row["baseline"], row["limit"]) == (
+        "import isolate",
+        "import torch",
+        1.2,
+    )
+    extra = row["extra"]
+    # What a fresh interpreter says itself, against what the row reports.
+    root = str(Path(imports.__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    probe = "import sys, isolate; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert extra["torch._dynamo loaded"] is (done.stdout.strip() == "True")
+    counts = extra["packages loaded beyond import torch (modules)"]
+    assert sum(counts.values()) <= extra["modules loaded beyond import torch"]
+    credited = extra["first imported under"]
+    assert set(credited) <= set(counts)
+    assert all(module.split(".")[0] == "isolate" for module in credited.values())

@@ -11,12 +11,14 @@ The ``sharded`` section (``--only sharded``) measures the engine's verification 
 training step under ``fully_shard`` (FSDP2) on 2 CPU processes (gloo); its size is set by
 ``--sharded-layers/--sharded-width`` (default: 8 encoder layers of width 512, 25M parameters,
 40 s on an idle 2-core machine).
+The ``imports`` section (``--only imports``) times ``import isolate`` against ``import torch``,
+each in fresh interpreters.
 
 Every row states its target as a limit on one number (``metric``, the ratio unless said
 otherwise), and ``ok`` is that limit applied to the number written next to it.
 
 One module per section (:mod:`~experiments.bench.wrappers`, ``freeze``, ``reachability``,
-``report``, ``frozen``, ``callback``, ``scale``, ``sharded``), over a shared timing
+``report``, ``frozen``, ``callback``, ``scale``, ``sharded``, ``imports``), over a shared timing
 harness (``_timing``: every figure is the median of interleaved repeats (A, B, A, B, ...)
 after warm-up, so slow phases of a shared machine hit both sides alike).
 """

@@ -20,6 +20,7 @@ from experiments.bench import (
     callback,
     freeze,
     frozen,
+    imports,
     reachability,
     report,
     scale,
@@ -50,6 +51,7 @@ SECTIONS: dict[str, Callable[[Settings], list[Row]]] = {
     "callback": lambda s: callback.run(s.quick),
     "scale": lambda s: scale.run(s.scale),
     "sharded": lambda s: sharded.run(s.sharded),
+    "imports": lambda s: imports.run(s.quick),
 }
 _SIZED = (("scale", scale.ScaleConfig), ("sharded", sharded.ShardedConfig))
 
