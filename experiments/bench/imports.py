@@ -34,7 +34,8 @@ _LISTED = 8  # how many packages the row's extra names
 
 
 def _env() -> dict[str, str]:
-    """This environment, with the isolate this process would import first on the path."""
+    """This environment, with the folder of the isolate this process would import first on the
+    path (the children also run there, since ``-c`` puts the working directory first)."""
     spec = importlib.util.find_spec("isolate")
     if spec is None or spec.origin is None:
         raise RuntimeError("imports section: isolate is not importable from this process")
@@ -45,7 +46,9 @@ def _env() -> dict[str, str]:
 
 
 def _python(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env)
+    root = env["PYTHONPATH"].split(os.pathsep)[0]
+    command = [sys.executable, *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root)
     if done.returncode != 0:
         raise RuntimeError(f"imports section: python {' '.join(args)} failed:\n{done.stderr}")
     return done
