@@ -50,9 +50,8 @@ from torch import nn
 
 from experiments.formats import jsonable
 from isolate import gradient_report
-from isolate._sharding import canonical_parameters
 from isolate.cutoff import cut_off_parameters, trace_forward
-from isolate.drift import max_abs_diff, snapshot
+from isolate.drift import canonical_parameters, max_abs_diff, snapshot
 from isolate.fingerprints import fingerprint
 from isolate.lightning import IsolationCallback
 from isolate.reachability import reachable_parameters

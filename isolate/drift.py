@@ -17,12 +17,14 @@ from typing import Literal
 import torch
 from torch import nn
 
+from isolate._sharding import canonical_parameters
 from isolate._walker import Names
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
 from isolate.fingerprints import Print, fingerprint, fingerprints, fingerprints_as, local_tensor
 
 __all__ = [
     "Snapshot",
+    "canonical_parameters",
     "fingerprint",
     "max_abs_diff",
     "snapshot",
