@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _launch import launch, ranks
+
+from tests._launch import launch, ranks
 
 SCRIPT = Path(__file__).with_name("_lightning_ddp_script.py")
 

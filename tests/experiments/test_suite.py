@@ -19,21 +19,18 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-# pytest puts tests/ on sys.path, not the repo root where the experiments package lives.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import experiments.cli
+import experiments.formats
+import experiments.model
+import experiments.simsiam
+from experiments.__main__ import main
+from experiments.claims import evaluate_checks
+from experiments.model import Branch, IsolationNet
+from experiments.suite import _split, run_suite
+from experiments.variants import discover, load
+from tests._launch import REPO
 
-import experiments.cli  # noqa: E402
-import experiments.formats  # noqa: E402
-import experiments.model  # noqa: E402
-import experiments.simsiam  # noqa: E402
-from experiments.__main__ import main  # noqa: E402
-from experiments.claims import evaluate_checks  # noqa: E402
-from experiments.model import Branch, IsolationNet  # noqa: E402
-from experiments.suite import _split, run_suite  # noqa: E402
-from experiments.variants import discover, load  # noqa: E402
+SHARED_DATA = REPO.parent / "shared" / "data"
 
 VARIANTS = discover()
 

@@ -15,13 +15,13 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from _lightning_models import Net, TwoOptimizerNet, loader, state, trainer
 
 from isolate import IsolationSpec, IsolationWarning, Thaw
 from isolate.errors import CheckpointMismatchError, CutOffError, IsolationTypeError, SpecError
 from isolate.lightning import IsolationCallback
 from isolate.lightning.strategies import check_trainer
 from isolate.spec.state import plain
+from tests.lightning._models import Net, TwoOptimizerNet, loader, state, trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),

@@ -1,7 +1,8 @@
-"""Two-process DDP runs on the CPU (gloo) for ``tests/test_lightning_ddp.py``.
+"""Two-process DDP runs on the CPU (gloo) for ``tests/distributed/test_lightning_ddp.py``.
 
-Usage: ``python tests/_lightning_ddp_script.py OUT_DIR``. Lightning's ``ddp`` strategy starts
-the second process by running this same command again; both processes then run:
+Usage: ``python tests/distributed/_lightning_ddp_script.py OUT_DIR``. Lightning's ``ddp``
+strategy starts the second process by running this same command again; both processes then
+run:
 
 * ``isolate``: IsolationCallback freezes the trunk, detaches the aux branch, thaws
   ``trunk.0`` before step 1 and the rest of the trunk at epoch 1 (2 steps per epoch);
@@ -26,12 +27,12 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from _lightning_models import BackboneNet, Net, loader, trainer
 from pytorch_lightning.callbacks import BackboneFinetuning
 
 from isolate import IsolationWarning, Thaw
 from isolate.errors import RankDivergenceError
 from isolate.lightning import IsolationCallback
+from tests.lightning._models import BackboneNet, Net, loader, trainer
 
 
 class Record(pl.Callback):

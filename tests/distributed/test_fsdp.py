@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from _launch import launch, ranks
 from torch import nn
 from torch.func import functional_call
 
@@ -22,6 +21,7 @@ import isolate.errors
 import isolate.reachability
 from isolate.errors import ShardedGraphError
 from isolate.reachability import walk
+from tests._launch import launch, ranks
 
 SCRIPT = Path(__file__).with_name("_fsdp_script.py")
 

@@ -1,7 +1,7 @@
 """IsolationCallback under Lightning's ModelParallelStrategy (FSDP2): 2 CPU processes, gloo.
 
-Usage: ``python tests/_lightning_fsdp_script.py OUT_DIR``. Lightning starts the second
-process by running this same command again; both processes then run:
+Usage: ``python tests/distributed/_lightning_fsdp_script.py OUT_DIR``. Lightning starts the
+second process by running this same command again; both processes then run:
 
 * ``full``: 3 epochs of 2 steps; the trunk frozen, the aux branch detached, ``trunk.3``
   thawed at epoch 1, AdamW with weight decay; a distributed checkpoint after every epoch;
@@ -22,7 +22,6 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from _lightning_models import Net, loader, trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
@@ -31,6 +30,7 @@ from isolate import IsolationWarning, Thaw
 from isolate._sharding import canonical_parameters
 from isolate.drift import fingerprint
 from isolate.lightning import IsolationCallback
+from tests.lightning._models import Net, loader, trainer
 
 
 class ShardedNet(Net):

@@ -19,18 +19,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from _launch import launch
 
-REPO = Path(__file__).resolve().parents[1]
+from experiments.cli import cli_main
+from isolate.errors import InplaceModificationError
+from tests._launch import REPO, launch
+
 SHARED_DATA = REPO.parent / "shared" / "data"
 CONFIGS = REPO / "configs"
 PRESETS = CONFIGS / "presets"
-# pytest puts tests/ on sys.path, not the repo root where the experiments package lives.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from experiments.cli import cli_main  # noqa: E402
-from isolate.errors import InplaceModificationError  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

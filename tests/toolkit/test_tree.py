@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -100,9 +101,11 @@ def registered() -> Iterator[None]:
         pytree._deregister_pytree_node(Batch)
 
 
+# Refusals name a class by its qualified name: this module's, wherever the tests are.
+HERE = re.escape(__name__)
 BATCH_REFUSED = (
-    r"cannot see into test_containers\.Batch: expected tensors in a tuple, list, dict, "
-    r"dataclass or registered pytree node, got a test_containers\.Batch holding 2 tensor\(s\) "
+    rf"cannot see into {HERE}\.Batch: expected tensors in a tuple, list, dict, "
+    rf"dataclass or registered pytree node, got a {HERE}\.Batch holding 2 tensor\(s\) "
     r"at \.x, \.edge_index; .* Fix: register a flatten/unflatten rule with "
     r"torch\.utils\._pytree\.register_pytree_node\(Batch, flatten_fn, unflatten_fn\)"
 )
@@ -190,7 +193,7 @@ def test_tensors_held_deeper_are_found_with_their_path() -> None:
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(
         IsolationTypeError,
-        match=r"^stop_gradient\(\): cannot see into test_containers\.Wrapped: .* holding 1 "
+        match=rf"^stop_gradient\(\): cannot see into {HERE}\.Wrapped: .* holding 1 "
         r"tensor\(s\) at \._store\['x'\];",
     ):
         isolate.stop_gradient([Wrapped(x=x)])
@@ -212,7 +215,7 @@ def test_sets_iterators_and_fields_beyond_the_dataclass_are_refused() -> None:
         isolate.stop_gradient(t for t in [x])
     with pytest.raises(
         IsolationTypeError,
-        match=r"^Detached\(Identity\): the dataclass test_containers\.WithCache holds tensors in "
+        match=rf"^Detached\(Identity\): the dataclass {HERE}\.WithCache holds tensors in "
         r"attributes that are not fields \(\['cache'\]\)",
     ):
         isolate.Detached(nn.Identity())(WithCache(x))
@@ -287,7 +290,7 @@ def test_a_mapping_that_cannot_be_rebuilt_is_refused() -> None:
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(
         IsolationTypeError,
-        match=r"^stop_gradient\(\): cannot rebuild test_containers\..*Fixed from its mapped items "
+        match=rf"^stop_gradient\(\): cannot rebuild {HERE}\..*Fixed from its mapped items "
         r"\(TypeError: .*\); register a flatten/unflatten rule",
     ):
         isolate.stop_gradient(Fixed(x, x))

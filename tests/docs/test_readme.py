@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from tests._launch import REPO
+
+README = REPO / "README.md"
 
 
 def _blocks(language: str) -> list[str]:

@@ -17,8 +17,7 @@ from torch import nn
 from examples import fabric_loop, lightning_callback, plain_loop
 from examples.toy import Net, batches
 from isolate.errors import CheckpointMismatchError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests._launch import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

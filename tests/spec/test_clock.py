@@ -12,13 +12,11 @@ import random
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
-from _schedule_models import Tower
 from pytorch_lightning.callbacks import EarlyStopping
 from torch import nn
 from torch.optim import lr_scheduler as L
@@ -28,8 +26,8 @@ from isolate.cli import main
 from isolate.errors import CheckpointMismatchError, SpecError
 from isolate.interop.schedules import default_schedule
 from isolate.spec.clock import Plateau, ramp
-
-REPO = Path(__file__).resolve().parents[1]
+from tests._launch import REPO, child_env
+from tests.interop._schedule_models import Tower
 
 
 def net() -> nn.Sequential:
@@ -317,9 +315,11 @@ def test_default_schedule_thaws_one_block_per_phase_from_the_head_back() -> None
 
 
 def test_schedule_command_writes_yaml_that_applies(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["schedule", "_schedule_models:build_tower", "--by-epoch"]) == 0
+    assert main(["schedule", "tests.interop._schedule_models:build_tower", "--by-epoch"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# Default isolate schedule for _schedule_models:build_tower (Tower)")
+    assert out.startswith(
+        "# Default isolate schedule for tests.interop._schedule_models:build_tower (Tower)"
+    )
     spec = IsolationSpec.from_dict(yaml.safe_load(out))
     model = Tower()
     with spec.applied(model) as handle:
@@ -336,8 +336,9 @@ def test_schedule_command_writes_yaml_that_applies(capsys: pytest.CaptureFixture
 @pytest.mark.slow
 def test_schedule_command_runs_as_a_module() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "isolate", "schedule", "_schedule_models:build_tower"],
-        cwd=REPO / "tests",
+        [sys.executable, "-m", "isolate", "schedule", "tests.interop._schedule_models:build_tower"],
+        cwd=REPO,
+        env=child_env(),
         capture_output=True,
         text=True,
         check=True,

@@ -16,7 +16,6 @@ import hashlib
 import pickle
 import shutil
 import stat
-import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -28,15 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-SHARED_MNIST_RAW = SHARED / "data" / "MNIST" / "raw"
-# pytest puts tests/ on sys.path, not the repo root where the experiments package lives.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import experiments.data as data_mod  # noqa: E402
-from experiments.data import (  # noqa: E402
+import experiments.data as data_mod
+from experiments.data import (
     TEST_FILES,
     TRAIN_FILES,
     DataCorruptError,
@@ -45,7 +37,11 @@ from experiments.data import (  # noqa: E402
     MNISTDataModule,
     TestSplitOnlyWarning,
 )
-from isolate.errors import IsolationError  # noqa: E402
+from isolate.errors import IsolationError
+from tests._launch import REPO
+
+SHARED = REPO.parent / "shared"
+SHARED_MNIST_RAW = SHARED / "data" / "MNIST" / "raw"
 
 DEBIAN_FASHION = data_mod.DEBIAN_FASHION_MNIST
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081

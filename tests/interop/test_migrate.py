@@ -16,7 +16,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
-from _lightning_models import trainer
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
@@ -28,6 +27,7 @@ from isolate.errors import SpecError
 from isolate.interop.leave import plain_checkpoint
 from isolate.interop.migrate import from_finetuning_scheduler, regex_to_glob
 from isolate.lightning import IsolationCallback
+from tests.lightning._models import trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
@@ -508,7 +508,7 @@ def test_fts_converter_command(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_lightning_cli_parses_the_new_selectors_and_thaw_fields(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from _lightning_models import Net, loader
+    from tests.lightning._models import Net, loader
     from pytorch_lightning.cli import LightningCLI
 
     monkeypatch.setattr(sys, "argv", ["train.py"])

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from _lightning_models import BackboneNet, Net, TwoOptimizerNet, loader, state, trainer
 from pytorch_lightning.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
@@ -31,6 +30,7 @@ from isolate.errors import (
     SpecError,
 )
 from isolate.lightning import IsolationCallback
+from tests.lightning._models import BackboneNet, Net, TwoOptimizerNet, loader, state, trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),

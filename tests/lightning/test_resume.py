@@ -33,13 +33,13 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from _lightning_models import Net, RNGState, loader, resumable_loader, state, trainer
 from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
 
 from isolate import Thaw
 from isolate.errors import CheckpointMismatchError
 from isolate.lightning import IsolationCallback
+from tests.lightning._models import Net, RNGState, loader, resumable_loader, state, trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests._launch import REPO
+
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 pytestmark = pytest.mark.skipif(
@@ -128,7 +129,7 @@ def test_report_holds_no_absolute_path_and_no_wall_clock_time(
 ) -> None:
     output = suites[0]
     results = json.loads((output / "results.json").read_text())
-    variants = sorted(p.stem for p in (Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    variants = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
     assert sorted(results["runs"]) == variants  # every variant ran
     assert "seconds" not in _keys(results)
     assert results["setup"]["data"]["data_root"] == "../shared/data"

@@ -1,6 +1,7 @@
-"""Two CPU processes (gloo) running ``fully_shard`` (FSDP2) models for ``tests/test_fsdp.py``.
+"""Two CPU processes (gloo) running ``fully_shard`` (FSDP2) models for
+``tests/distributed/test_fsdp.py``.
 
-Usage: ``python tests/_fsdp_script.py MODE OUT_DIR``. It spawns 2 processes (4 for
+Usage: ``python tests/distributed/_fsdp_script.py MODE OUT_DIR``. It spawns 2 processes (4 for
 ``hsdp``) on a free port; each writes ``OUT_DIR/<mode>-rank<r>.json`` with what it measured.
 
 Modes:

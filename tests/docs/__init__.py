@@ -1,0 +1,1 @@
+"""The README and the examples: what a newcomer reads and runs."""

@@ -1,0 +1,1 @@
+"""The experiments package: the suite, its configs, data, benchmarks and reproducibility."""

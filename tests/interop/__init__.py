@@ -1,0 +1,1 @@
+"""The ways in and out: migration from finetuning-scheduler, leaving isolate, schedules."""

@@ -1,0 +1,1 @@
+"""The Lightning integration, with a real, tiny Trainer."""
