@@ -9,7 +9,9 @@ failure as "update the docs": rewrite the Note that describes the trap, and chec
 guard for it is still needed. Run them alone with ``pytest -m upstream_trap``; their failures
 carry that reminder (see ``pytest_runtest_makereport`` in ``tests/conftest.py``).
 
-isolate's answers to these traps are tested in ``tests/test_semantics.py``.
+isolate's answers to these traps are tested beside the features that give them:
+``tests/toolkit/test_detaching.py`` (the in-place guard, ``stop_gradient``) and
+``tests/toolkit/test_cloning.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 that names the culprit, and leaves the model, its flags, modes and hooks exactly as before.
 
 The Lightning callback, the data module and the configs have their own catalogues in
-tests/test_lightning.py, tests/test_data.py and tests/test_configs.py.
+tests/lightning/test_callback.py, tests/experiments/test_data.py and
+tests/experiments/test_configs.py.
 """
 
 from __future__ import annotations

@@ -12,11 +12,7 @@ from torch import nn
 import isolate
 import isolate.errors
 import isolate.freezing
-
-
-class _ZeroInPlace(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.zero_()
+from tests.toolkit._shared import ZeroInPlace
 
 
 class Net(nn.Module):
@@ -51,7 +47,7 @@ def _fresh_dynamo() -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("branch", [nn.Identity, _ZeroInPlace])
+@pytest.mark.parametrize("branch", [nn.Identity, ZeroInPlace])
 def test_compiled_branch_leaves_the_main_features_intact_and_matches_eager(
     branch: type[nn.Module],
 ) -> None:
@@ -71,7 +67,7 @@ def test_compiled_branch_leaves_the_main_features_intact_and_matches_eager(
 
     # Reference 2: the whole model, eager. An editing branch is refused by the default guard;
     # with inplace="copy" eager gets the copies that compiled code is documented to get.
-    if branch is _ZeroInPlace:
+    if branch is ZeroInPlace:
         error = isolate.errors.InplaceModificationError
         with pytest.raises(error, match=r"^Detached\(Sequential\): "):
             model(x)
@@ -96,7 +92,7 @@ def test_compiled_branch_leaves_the_main_features_intact_and_matches_eager(
     for name, want in main_grads.items():
         torch.testing.assert_close(compiled_grads[name], want, msg=name)
     aux_weight = compiled_grads["aux.module.1.weight"]
-    if branch is _ZeroInPlace:
+    if branch is ZeroInPlace:
         # The branch's own edit did take effect, on its own copy: its linear saw zeros.
         assert torch.equal(aux_weight, torch.zeros_like(aux_weight))
         assert torch.equal(outputs[1], model.aux.module[1].bias.detach().expand(6, 3))

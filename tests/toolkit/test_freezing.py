@@ -13,6 +13,7 @@ import isolate
 from isolate import Frozen, IsolationError, freeze, frozen
 from isolate.errors import IsolationTypeError, RestoreError, SelectorError, WrappingError
 from isolate.freezing import FreezeHandle, is_frozen, unfreeze, unfrozen
+from tests.toolkit._shared import Scaled
 
 
 class Net(nn.Module):
@@ -196,6 +197,15 @@ def test_wrong_types(net: Net) -> None:
         freeze(net, bn="frozen")  # type: ignore[arg-type]
 
 
+def test_is_frozen_names_itself_in_its_errors() -> None:
+    with pytest.raises(
+        IsolationTypeError, match=r"^is_frozen\(\): model must be a torch\.nn\.Module, got str"
+    ):
+        isolate.freezing.is_frozen("model")  # type: ignore[arg-type]
+    with pytest.raises(SelectorError, match=r"^is_frozen\(\): 'zz' matched no parameter of Linear"):
+        isolate.freezing.is_frozen(nn.Linear(2, 1), "zz")
+
+
 def test_unfreeze_refuses_integer_parameters() -> None:
     model = nn.Linear(2, 2)
     model.register_parameter(
@@ -236,6 +246,24 @@ def test_handle_repr(net: Net) -> None:
             repr(handle) == "FreezeHandle(freeze on Net: 2 parameters, 0 BatchNorm layers, active)"
         )
     assert repr(handle).endswith("restored)")
+
+
+def test_a_handle_without_optimizer_has_no_exposures_and_says_what_it_holds() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    handle = isolate.freeze(model)
+    assert handle.exposures == ()
+    assert (
+        repr(handle)
+        == "FreezeHandle(freeze on Sequential: 4 parameters, 1 BatchNorm layers, active)"
+    )
+    handle.restore()
+    assert repr(handle).endswith(", restored)")
+    inner = isolate.freezing.unfreeze(model, "0")
+    assert (
+        repr(inner)
+        == "FreezeHandle(unfreeze on Sequential: 2 parameters, 0 BatchNorm layers, active)"
+    )
+    inner.restore()
 
 
 # --- BatchNorm policy -------------------------------------------------------------------
@@ -343,6 +371,15 @@ def test_frozen_passes_gradient_to_inputs_but_not_to_parameters(net: Net) -> Non
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert all(p.grad is None for p in net.trunk.parameters())
     wrapped.unwrap()
+
+
+def test_frozen_lets_gradient_through_to_an_input_passed_by_keyword() -> None:
+    frozen = isolate.Frozen(Scaled())
+    scale = torch.ones(2, requires_grad=True)
+    frozen(torch.ones(2), scale=scale).sum().backward()
+    assert torch.equal(scale.grad, torch.full((2,), 2.0))  # type: ignore[arg-type]
+    assert frozen.module.weight.grad is None
+    frozen.unwrap()
 
 
 def test_frozen_forward_matches_eval_forward(net: Net) -> None:

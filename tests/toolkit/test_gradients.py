@@ -7,15 +7,19 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import isolate
 from isolate import assert_isolated, freeze, gradient_report
 from isolate.cutoff import cut_off_parameters
+from isolate.errors import IsolationTypeError, SelectorError
 from isolate.gradients import GradientReport, gradient_invariance
 from isolate.reachability import reachable_parameters
+from tests.toolkit._shared import Net, X
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,7 +82,7 @@ def assert_matches(report: GradientReport, expected: dict[str, dict[str, object]
                     assert got[key] == pytest.approx(w, rel=rel, abs=1e-12), (group, field, key)
 
 
-class Net(nn.Module):
+class ThreeLosses(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16))
@@ -94,7 +98,7 @@ class Net(nn.Module):
         }
 
 
-def groups_of(net: Net) -> dict[str, list[nn.Parameter]]:
+def groups_of(net: ThreeLosses) -> dict[str, list[nn.Parameter]]:
     return {
         "encoder": list(net.encoder.parameters()),
         "head": list(net.head.parameters()),
@@ -116,7 +120,7 @@ PRECISIONS: dict[str, tuple[torch.dtype, Callable[[], object]]] = {
 def test_report_matches_a_float64_reference_in_every_precision(precision: str) -> None:
     dtype, context = PRECISIONS[precision]
     torch.manual_seed(0)
-    net = Net().to(dtype)
+    net = ThreeLosses().to(dtype)
     x = torch.randn(8, 6, dtype=dtype)
     with context():  # type: ignore[attr-defined]
         losses = net.losses(x)
@@ -276,7 +280,7 @@ def test_a_frozen_group_reads_as_frozen_not_empty() -> None:
 def test_invariance_matches_a_float64_reference_in_every_precision(precision: str) -> None:
     dtype, context = PRECISIONS[precision]
     torch.manual_seed(0)
-    net = Net().to(dtype)
+    net = ThreeLosses().to(dtype)
     with context():  # type: ignore[attr-defined]
         features = net.encoder(torch.randn(8, 6, dtype=dtype))
         main = net.head(features).pow(2).mean()
@@ -298,7 +302,7 @@ def test_invariance_matches_a_float64_reference_in_every_precision(precision: st
 def test_graph_audits_in_every_precision(precision: str) -> None:
     dtype, context = PRECISIONS[precision]
     torch.manual_seed(0)
-    net = Net().to(dtype)
+    net = ThreeLosses().to(dtype)
     with context():  # type: ignore[attr-defined]
         losses = net.losses(torch.randn(8, 6, dtype=dtype))
     assert reachable_parameters(losses["probe"], net) == ("probe.weight", "probe.bias")
@@ -306,3 +310,208 @@ def test_graph_audits_in_every_precision(precision: str) -> None:
     cut = cut_off_parameters(losses["main"], net)
     assert list(cut.parameters) == ["probe.weight", "probe.bias"]
     assert cut_off_parameters(list(losses.values()), net).clean
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+# --------------------------------------------------------------------------------------------
+# gradient_report on a small model, against autograd.grad
+
+
+def _flat_grads(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    return list(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True))
+
+
+def test_report_values_match_a_direct_computation(net: Net) -> None:
+    main, probe = net(X)
+    losses = {"main": main.pow(2).mean(), "probe": probe.pow(2).mean()}
+    report = gradient_report(losses, net)
+    assert isinstance(report, GradientReport)
+    assert list(report.groups) == ["(root)", "encoder", "head", "probe"]
+    assert report.losses == ("main", "probe")
+    enc = list(net.encoder.parameters())
+    g_main = _flat_grads(losses["main"], enc)
+    expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in g_main if g is not None))
+    assert report["encoder"].norms["main"] == pytest.approx(expected, rel=1e-6)
+    assert report["encoder"].norms["probe"] is None  # no path at all
+    assert report["encoder"].shares["probe"] is None
+    assert report["probe"].norms["main"] is None
+    assert report["probe"].shares["probe"] == pytest.approx(1.0)
+    shares = [s.shares["main"] for s in report.groups.values() if s.shares["main"] is not None]
+    assert sum(shares) == pytest.approx(1.0)
+    assert report.total.numel == sum(p.numel() for p in net.parameters())
+    assert report["encoder"].parameters == tuple(
+        f"encoder.{n}" for n, _ in net.encoder.named_parameters()
+    )
+    assert report["head"].cosines[("main", "probe")] is None
+    # The two losses share no parameter: their cosine is undefined, not 0.
+    assert report.total.cosines[("main", "probe")] is None
+
+
+def test_report_cosines(net: Net) -> None:
+    main, _ = net(X)
+    base = main.pow(2).mean()
+    report = gradient_report({"a": base, "twice": 2 * base, "minus": -base}, net)
+    enc = report["encoder"].cosines
+    assert enc[("a", "twice")] == pytest.approx(1.0)
+    assert enc[("a", "minus")] == pytest.approx(-1.0)
+    assert report["encoder"].norms["twice"] == pytest.approx(2 * report["encoder"].norms["a"])
+
+
+def test_report_touches_no_grad_and_keeps_the_graph(net: Net) -> None:
+    main, probe = net(X)
+    loss = main.sum() + probe.sum()
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    gradient_report({"loss": loss}, net)
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in net.parameters())
+    loss.backward()  # the graph is still there
+
+
+def test_report_groups_by_selector(net: Net) -> None:
+    main, probe = net(X)
+    losses = {"main": main.sum(), "probe": probe.sum()}
+    by_list = gradient_report(losses, net, groups=["encoder", "*.bias"])
+    assert list(by_list.groups) == ["encoder", "*.bias", "(rest)"]
+    assert by_list["*.bias"].parameters == (
+        "encoder.0.bias",
+        "encoder.2.bias",
+        "head.bias",
+        "probe.bias",
+    )
+    assert by_list["(rest)"].parameters == ("scale", "head.weight", "probe.weight")
+    by_map = gradient_report(
+        losses, net, groups={"trunk": ["encoder.0", "encoder.2"], "top": "head"}
+    )
+    assert by_map["trunk"].parameters == by_list["encoder"].parameters
+    assert by_map["top"].norms["probe"] is None
+    with pytest.raises(SelectorError, match=r"^gradient_report\(\): 'decoder' matched no"):
+        gradient_report(losses, net, groups=["decoder"])
+
+
+def test_report_prints_an_aligned_table_and_converts(net: Net) -> None:
+    main, probe = net(X)
+    report = gradient_report({"main": main.sum(), "probe": probe.sum()}, net)
+    lines = str(report).splitlines()
+    assert lines[0].split() == [
+        "group",
+        "params",
+        "|g|",
+        "main",
+        "share",
+        "main",
+        "|g|",
+        "probe",
+        "share",
+        "probe",
+        "cos(main,probe)",
+    ]
+    assert len({len(line) for line in lines}) == 1  # every row as wide as the header
+    assert [line.split()[0] for line in lines if not line.startswith("-")] == [
+        "group",
+        "(root)",
+        "encoder",
+        "head",
+        "probe",
+        "total",
+    ]
+    probe_row = next(line for line in lines if line.startswith("probe"))
+    assert probe_row.split()[2] == "-"  # main does not reach the probe: no norm at all
+    data = json.loads(report.to_json())
+    assert data == report.to_dict()
+    assert data["groups"]["encoder"]["norm"]["probe"] is None
+    assert data["groups"]["encoder"]["cosine"] == {"main|probe": None}
+    assert data["total"]["numel"] == report.total.numel
+
+
+def test_report_of_a_loss_without_graph(net: Net) -> None:
+    main, _ = net(X)
+    report = gradient_report({"main": main.sum(), "constant": torch.tensor(3.0)}, net)
+    assert report.total.norms["constant"] is None
+    assert report.total.shares["constant"] is None
+    assert report.total.cosines[("main", "constant")] is None
+    grads = _flat_grads(main.sum(), list(net.parameters()))
+    by_hand = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+    assert report.total.norms["main"] == pytest.approx(by_hand, rel=1e-6)
+    assert report.total.shares["main"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("losses", "groups", "message"),
+    [
+        ({"a": torch.ones(3, requires_grad=True)}, None, r"loss 'a' must be a scalar .*\(3,\)"),
+        ({}, None, r"losses must be a non-empty mapping"),
+        ([torch.ones(())], None, r"losses must be a non-empty mapping"),
+        ({"a": 1.0}, None, r"loss 'a' must be a scalar tensor, got float"),
+        ({"a": torch.ones(())}, 3, r"groups must be None"),
+        ({"a": torch.ones(())}, [nn.Linear(1, 1)], r"a list of groups must hold selector strings"),
+    ],
+)
+def test_report_errors(net: Net, losses: Any, groups: Any, message: str) -> None:
+    with pytest.raises(IsolationTypeError, match=r"^gradient_report\(\): " + message):
+        gradient_report(losses, net, groups=groups)
+
+
+# --------------------------------------------------------------------------------------------
+# gradient_invariance
+
+
+def test_invariance_is_exactly_zero_when_isolated(net: Net) -> None:
+    main, probe = net(X)
+    main_loss = main.pow(2).mean()
+    total = main_loss + 0.3 * probe.pow(2).mean()
+    result = gradient_invariance(main_loss, total, net.encoder, model=net)
+    assert result.max_delta == 0.0
+    assert result.isolated
+    assert result.deltas == dict.fromkeys(
+        ("encoder.0.weight", "encoder.0.bias", "encoder.2.weight", "encoder.2.bias"), 0.0
+    )
+    assert result.changed() == {}
+
+
+def test_invariance_measures_a_leak(net: Net) -> None:
+    features = net.encoder(X)
+    main_loss = net.head(features).pow(2).mean()
+    aux = net.probe(features).pow(2).mean()
+    result = gradient_invariance(main_loss, main_loss + aux, net.encoder, model=net)
+    assert not result.isolated
+    aux_grad = torch.autograd.grad(aux, net.encoder[2].bias, retain_graph=True)[0]
+    assert result.deltas["encoder.2.bias"] == pytest.approx(float(aux_grad.abs().max()), rel=1e-5)
+    assert result.max_delta == max(result.deltas.values())
+    assert list(result.changed()) == sorted(result.deltas, key=lambda n: -result.deltas[n])
+
+
+def test_invariance_on_a_parameter_only_the_aux_loss_reaches(net: Net) -> None:
+    main, probe = net(X)
+    main_loss = main.sum()
+    result = gradient_invariance(main_loss, main_loss + probe.sum(), net.probe.bias)
+    assert result.max_delta == float(torch.full((3,), 5.0).max())  # d(sum)/d(bias) = batch size
+    frozen = gradient_invariance(main_loss, main_loss, net.encoder.requires_grad_(False))
+    assert frozen.max_delta == 0.0 and len(frozen.deltas) == 4
+
+
+def test_invariance_note_main_loss_must_have_weight_one(net: Net) -> None:
+    main, _ = net(X)
+    main_loss = main.pow(2).mean()
+    assert gradient_invariance(main_loss, 0.5 * main_loss, net.encoder).max_delta > 0
+
+
+def test_invariance_errors(net: Net) -> None:
+    main, _ = net(X)
+    with pytest.raises(IsolationTypeError, match=r"^gradient_invariance\(\): main_loss must be"):
+        gradient_invariance(main, main.sum(), net)
+    with pytest.raises(IsolationTypeError, match=r"^gradient_invariance\(\): total_loss must be"):
+        gradient_invariance(main.sum(), 1.0, net)  # type: ignore[arg-type]
+
+
+def test_gradient_report_refuses_group_names_that_are_not_strings() -> None:
+    model = nn.Linear(2, 1)
+    loss = model(torch.ones(1, 2)).sum()
+    with pytest.raises(
+        IsolationTypeError, match=r"^gradient_report\(\): group names must be strings, got 1$"
+    ):
+        isolate.gradient_report({"main": loss}, model, groups={1: "weight"})  # type: ignore[dict-item]

@@ -1,9 +1,10 @@
-"""reachable_parameters / assert_isolated / gradient_report / gradient_invariance."""
+"""reachable_parameters / assert_isolated: which parameters a loss can send gradient to,
+against brute force, and what the leak report says, to the word."""
 
 from __future__ import annotations
 
-import json
-import math
+import os
+import re
 import sys
 import warnings
 from typing import Any
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isolate import assert_isolated, gradient_report
+from isolate import assert_isolated
 from isolate.errors import (
     GradientLeakError,
     IsolationError,
@@ -23,8 +24,9 @@ from isolate.errors import (
     IsolationWarning,
     SelectorError,
 )
-from isolate.gradients import GradientReport, gradient_invariance
+from isolate.gradients import gradient_invariance
 from isolate.reachability import reachable_parameters
+from tests.toolkit._shared import Net, X
 
 
 def brute_force(loss: torch.Tensor | list[torch.Tensor], model: nn.Module) -> tuple[str, ...]:
@@ -42,26 +44,10 @@ def brute_force(loss: torch.Tensor | list[torch.Tensor], model: nn.Module) -> tu
     return tuple(n for n, p in named if id(p) in reached)
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
-        self.head = nn.Linear(8, 2)
-        self.probe = nn.Linear(8, 3)
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features = self.encoder(x)
-        return self.head(features) * self.scale, self.probe(features.detach())
-
-
 @pytest.fixture
 def net() -> Net:
     torch.manual_seed(0)
     return Net()
-
-
-X = torch.randn(5, 4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,190 +412,126 @@ def test_assert_isolated_errors(net: Net) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# gradient_report
+# The leak report, to the word: the operations that consume a protected parameter, the route
+# from the loss, where a long route is shortened, and the reentrant-checkpoint warning
 
-
-def _flat_grads(loss: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
-    return list(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True))
-
-
-def test_report_values_match_a_direct_computation(net: Net) -> None:
-    main, probe = net(X)
-    losses = {"main": main.pow(2).mean(), "probe": probe.pow(2).mean()}
-    report = gradient_report(losses, net)
-    assert isinstance(report, GradientReport)
-    assert list(report.groups) == ["(root)", "encoder", "head", "probe"]
-    assert report.losses == ("main", "probe")
-    enc = list(net.encoder.parameters())
-    g_main = _flat_grads(losses["main"], enc)
-    expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in g_main if g is not None))
-    assert report["encoder"].norms["main"] == pytest.approx(expected, rel=1e-6)
-    assert report["encoder"].norms["probe"] is None  # no path at all
-    assert report["encoder"].shares["probe"] is None
-    assert report["probe"].norms["main"] is None
-    assert report["probe"].shares["probe"] == pytest.approx(1.0)
-    shares = [s.shares["main"] for s in report.groups.values() if s.shares["main"] is not None]
-    assert sum(shares) == pytest.approx(1.0)
-    assert report.total.numel == sum(p.numel() for p in net.parameters())
-    assert report["encoder"].parameters == tuple(
-        f"encoder.{n}" for n, _ in net.encoder.named_parameters()
-    )
-    assert report["head"].cosines[("main", "probe")] is None
-    # The two losses share no parameter: their cosine is undefined, not 0.
-    assert report.total.cosines[("main", "probe")] is None
-
-
-def test_report_cosines(net: Net) -> None:
-    main, _ = net(X)
-    base = main.pow(2).mean()
-    report = gradient_report({"a": base, "twice": 2 * base, "minus": -base}, net)
-    enc = report["encoder"].cosines
-    assert enc[("a", "twice")] == pytest.approx(1.0)
-    assert enc[("a", "minus")] == pytest.approx(-1.0)
-    assert report["encoder"].norms["twice"] == pytest.approx(2 * report["encoder"].norms["a"])
-
-
-def test_report_touches_no_grad_and_keeps_the_graph(net: Net) -> None:
-    main, probe = net(X)
-    loss = main.sum() + probe.sum()
-    for p in net.parameters():
-        p.grad = torch.full_like(p, 7.0)
-    gradient_report({"loss": loss}, net)
-    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in net.parameters())
-    loss.backward()  # the graph is still there
-
-
-def test_report_groups_by_selector(net: Net) -> None:
-    main, probe = net(X)
-    losses = {"main": main.sum(), "probe": probe.sum()}
-    by_list = gradient_report(losses, net, groups=["encoder", "*.bias"])
-    assert list(by_list.groups) == ["encoder", "*.bias", "(rest)"]
-    assert by_list["*.bias"].parameters == (
-        "encoder.0.bias",
-        "encoder.2.bias",
-        "head.bias",
-        "probe.bias",
-    )
-    assert by_list["(rest)"].parameters == ("scale", "head.weight", "probe.weight")
-    by_map = gradient_report(
-        losses, net, groups={"trunk": ["encoder.0", "encoder.2"], "top": "head"}
-    )
-    assert by_map["trunk"].parameters == by_list["encoder"].parameters
-    assert by_map["top"].norms["probe"] is None
-    with pytest.raises(SelectorError, match=r"^gradient_report\(\): 'decoder' matched no"):
-        gradient_report(losses, net, groups=["decoder"])
-
-
-def test_report_prints_an_aligned_table_and_converts(net: Net) -> None:
-    main, probe = net(X)
-    report = gradient_report({"main": main.sum(), "probe": probe.sum()}, net)
-    lines = str(report).splitlines()
-    assert lines[0].split() == [
-        "group",
-        "params",
-        "|g|",
-        "main",
-        "share",
-        "main",
-        "|g|",
-        "probe",
-        "share",
-        "probe",
-        "cos(main,probe)",
-    ]
-    assert len({len(line) for line in lines}) == 1  # every row as wide as the header
-    assert [line.split()[0] for line in lines if not line.startswith("-")] == [
-        "group",
-        "(root)",
-        "encoder",
-        "head",
-        "probe",
-        "total",
-    ]
-    probe_row = next(line for line in lines if line.startswith("probe"))
-    assert probe_row.split()[2] == "-"  # main does not reach the probe: no norm at all
-    data = json.loads(report.to_json())
-    assert data == report.to_dict()
-    assert data["groups"]["encoder"]["norm"]["probe"] is None
-    assert data["groups"]["encoder"]["cosine"] == {"main|probe": None}
-    assert data["total"]["numel"] == report.total.numel
-
-
-def test_report_of_a_loss_without_graph(net: Net) -> None:
-    main, _ = net(X)
-    report = gradient_report({"main": main.sum(), "constant": torch.tensor(3.0)}, net)
-    assert report.total.norms["constant"] is None
-    assert report.total.shares["constant"] is None
-    assert report.total.cosines[("main", "constant")] is None
-    grads = _flat_grads(main.sum(), list(net.parameters()))
-    by_hand = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
-    assert report.total.norms["main"] == pytest.approx(by_hand, rel=1e-6)
-    assert report.total.shares["main"] == 1.0
-
-
-@pytest.mark.parametrize(
-    ("losses", "groups", "message"),
-    [
-        ({"a": torch.ones(3, requires_grad=True)}, None, r"loss 'a' must be a scalar .*\(3,\)"),
-        ({}, None, r"losses must be a non-empty mapping"),
-        ([torch.ones(())], None, r"losses must be a non-empty mapping"),
-        ({"a": 1.0}, None, r"loss 'a' must be a scalar tensor, got float"),
-        ({"a": torch.ones(())}, 3, r"groups must be None"),
-        ({"a": torch.ones(())}, [nn.Linear(1, 1)], r"a list of groups must hold selector strings"),
-    ],
+FIX = (
+    "Fix: cut the path where the branch starts (isolate.stop_gradient(features) or "
+    "isolate.Detached(module)), or freeze the protected parameters (isolate.freeze)"
 )
-def test_report_errors(net: Net, losses: Any, groups: Any, message: str) -> None:
-    with pytest.raises(IsolationTypeError, match=r"^gradient_report\(\): " + message):
-        gradient_report(losses, net, groups=groups)
 
 
-# --------------------------------------------------------------------------------------------
-# gradient_invariance
+def _leak(loss: torch.Tensor, module: nn.Module) -> str:
+    with pytest.raises(GradientLeakError) as info:
+        assert_isolated(loss, module)
+    return str(info.value)
 
 
-def test_invariance_is_exactly_zero_when_isolated(net: Net) -> None:
-    main, probe = net(X)
-    main_loss = main.pow(2).mean()
-    total = main_loss + 0.3 * probe.pow(2).mean()
-    result = gradient_invariance(main_loss, total, net.encoder, model=net)
-    assert result.max_delta == 0.0
-    assert result.isolated
-    assert result.deltas == dict.fromkeys(
-        ("encoder.0.weight", "encoder.0.bias", "encoder.2.weight", "encoder.2.bias"), 0.0
+@pytest.fixture
+def lin() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(3, 3)
+
+
+def test_a_parameter_that_is_the_output_itself_is_reported_without_an_operation(
+    lin: nn.Linear,
+) -> None:
+    assert _leak(lin.weight, lin) == (
+        "assert_isolated(): the loss reaches 1 of 2 protected parameters:\n"
+        "  weight  in '<root>' (Linear)\n" + FIX
     )
-    assert result.changed() == {}
 
 
-def test_invariance_measures_a_leak(net: Net) -> None:
-    features = net.encoder(X)
-    main_loss = net.head(features).pow(2).mean()
-    aux = net.probe(features).pow(2).mean()
-    result = gradient_invariance(main_loss, main_loss + aux, net.encoder, model=net)
-    assert not result.isolated
-    aux_grad = torch.autograd.grad(aux, net.encoder[2].bias, retain_graph=True)[0]
-    assert result.deltas["encoder.2.bias"] == pytest.approx(float(aux_grad.abs().max()), rel=1e-5)
-    assert result.max_delta == max(result.deltas.values())
-    assert list(result.changed()) == sorted(result.deltas, key=lambda n: -result.deltas[n])
+def test_a_route_of_layout_operations_only_names_them(lin: nn.Linear) -> None:
+    assert _leak(lin.weight.t(), lin) == (
+        "assert_isolated(): the loss reaches 1 of 2 protected parameters:\n"
+        "  weight  in '<root>' (Linear); consumed by TBackward0\n"
+        "Shortest route, to weight: TBackward0 -> AccumulateGrad\n" + FIX
+    )
 
 
-def test_invariance_on_a_parameter_only_the_aux_loss_reaches(net: Net) -> None:
-    main, probe = net(X)
-    main_loss = main.sum()
-    result = gradient_invariance(main_loss, main_loss + probe.sum(), net.probe.bias)
-    assert result.max_delta == float(torch.full((3,), 5.0).max())  # d(sum)/d(bias) = batch size
-    frozen = gradient_invariance(main_loss, main_loss, net.encoder.requires_grad_(False))
-    assert frozen.max_delta == 0.0 and len(frozen.deltas) == 4
+def test_every_consuming_operation_is_named_looking_through_layout_ops(lin: nn.Linear) -> None:
+    x = torch.randn(2, 3)
+    message = _leak((x @ lin.weight.t()).sum() + lin.weight.sum(), lin)
+    assert "  weight  in '<root>' (Linear); consumed by SumBackward0, MmBackward0 (through " \
+        "TBackward0)\n" in message  # fmt: skip
+    assert "Shortest route, to weight: AddBackward0 -> SumBackward0 -> AccumulateGrad\n" in message
 
 
-def test_invariance_note_main_loss_must_have_weight_one(net: Net) -> None:
-    main, _ = net(X)
-    main_loss = main.pow(2).mean()
-    assert gradient_invariance(main_loss, 0.5 * main_loss, net.encoder).max_delta > 0
+def test_node_names_lose_the_autograd_namespace(lin: nn.Linear) -> None:
+    z = torch.zeros(2, 3)
+    z[0] = lin.weight[0] * 2  # an in-place write into a slice: a CopySlices node
+    message = _leak(z.sum(), lin)
+    assert (
+        "Shortest route, to weight: SumBackward0 -> CopySlices -> MulBackward0 -> "
+        "SelectBackward0 -> AccumulateGrad\n"
+    ) in message
+    assert "torch::autograd::" not in message
 
 
-def test_invariance_errors(net: Net) -> None:
-    main, _ = net(X)
-    with pytest.raises(IsolationTypeError, match=r"^gradient_invariance\(\): main_loss must be"):
-        gradient_invariance(main, main.sum(), net)
-    with pytest.raises(IsolationTypeError, match=r"^gradient_invariance\(\): total_loss must be"):
-        gradient_invariance(main.sum(), 1.0, net)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("muls", "route"), [
+    (9, " -> ".join(["MulBackward0"] * 9 + ["SumBackward0", "AccumulateGrad"])),
+    (10, " -> ".join(["MulBackward0"] * 5 + ["... 2 more ..."]
+                     + ["MulBackward0"] * 3 + ["SumBackward0", "AccumulateGrad"])),
+    (14, " -> ".join(["MulBackward0"] * 5 + ["... 6 more ..."]
+                     + ["MulBackward0"] * 3 + ["SumBackward0", "AccumulateGrad"])),
+])  # fmt: skip
+def test_a_long_route_keeps_five_nodes_at_each_end(lin: nn.Linear, muls: int, route: str) -> None:
+    loss = lin.weight.sum()
+    for _ in range(muls):
+        loss = loss * 1.0
+    message = _leak(loss, lin)
+    assert f"Shortest route, to weight: {route}\n" in message
+
+
+# mutmut's trampolines add frames between the caller and isolate: no stacklevel holds there.
+_TRAMPOLINED = "MUTANT_UNDER_TEST" in os.environ
+
+
+def test_the_reentrant_checkpoint_warning_names_the_caller_and_points_at_user_code(
+    lin: nn.Linear,
+) -> None:
+    x = torch.randn(2, 3, requires_grad=True)
+    out = checkpoint(lin, x, use_reentrant=True).sum()
+    with pytest.warns(IsolationWarning) as first:
+        reachable_parameters(out, lin)  # the warning must point at this line's file
+    with pytest.warns(IsolationWarning) as second:
+        assert_isolated(out, nn.Linear(1, 1))  # an unrelated module: no leak, only the warning
+    for record, caller in [(first, "reachable_parameters()"), (second, "assert_isolated()")]:
+        message = str(record[0].message)
+        assert message.startswith(
+            f"{caller}: the graph holds ['CheckpointFunctionBackward'], which re-runs code"
+        ), message
+        if not _TRAMPOLINED:
+            assert record[0].filename == __file__, record[0].filename
+
+
+def test_the_shortest_route_is_the_one_reported(lin: nn.Linear) -> None:
+    x = torch.randn(2, 3)
+    deep = (lin(x) * 1.0 * 1.0).sum()  # weight and bias: both through AddmmBackward0
+    message = _leak(deep + lin.bias.sum(), lin)
+    routes = re.findall(r"Shortest route, to (\w+): (.*)\n", message)
+    assert routes == [("bias", "AddBackward0 -> SumBackward0 -> AccumulateGrad")]
+
+
+def test_a_chain_of_layout_operations_is_shown_whole(lin: nn.Linear) -> None:
+    # Arrows point the way gradient flows: TBackward0 gets it from UnsqueezeBackward0.
+    assert "consumed by TBackward0 <- UnsqueezeBackward0\n" in _leak(
+        lin.weight.t().unsqueeze(0), lin
+    )
+    assert "consumed by SumBackward0 (through TBackward0 <- UnsqueezeBackward0)\n" in _leak(
+        lin.weight.t().unsqueeze(0).sum(), lin
+    )
+
+
+class _TwoLeaves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.zeta = nn.Parameter(torch.ones(2))  # first in model order, last by name
+        self.alpha = nn.Parameter(torch.ones(2))
+
+
+def test_of_equally_short_routes_the_first_parameter_in_model_order_is_shown() -> None:
+    model = _TwoLeaves()
+    message = _leak(model.zeta.sum() + model.alpha.sum(), model)
+    assert "Shortest route, to zeta: AddBackward0 -> SumBackward0 -> AccumulateGrad\n" in message

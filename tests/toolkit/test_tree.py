@@ -294,3 +294,28 @@ def test_a_mapping_that_cannot_be_rebuilt_is_refused() -> None:
         r"\(TypeError: .*\); register a flatten/unflatten rule",
     ):
         isolate.stop_gradient(Fixed(x, x))
+
+
+class _WithMask(list):  # type: ignore[type-arg]
+    """A list subclass whose constructor copies a tensor over from outside its items."""
+
+    source: torch.Tensor | None = None
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        super().__init__(items)
+        self.mask = _WithMask.source
+
+
+def test_a_rebuilt_container_that_keeps_the_original_tensors_is_refused() -> None:
+    _WithMask.source = torch.ones(2, requires_grad=True) * 1
+    x = torch.ones(2, requires_grad=True) * 1
+    batch = _WithMask([x])
+    try:
+        with pytest.raises(
+            IsolationTypeError,
+            match=r"^stop_gradient\(\): .*_WithMask rebuilt from its items still holds the "
+            r"original tensors at \['\.mask'\], which are not reached; register ",
+        ):
+            isolate.stop_gradient(batch)
+    finally:
+        _WithMask.source = None
