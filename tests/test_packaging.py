@@ -43,3 +43,9 @@ def test_the_core_declares_exactly_the_packages_it_imports() -> None:
     assert listed is not None
     declared = {re.split(r"[<>=!~ ;\[]", d)[0] for d in re.findall(r'"([^"]+)"', listed[1])}
     assert third_party == declared == {"torch", "xxhash"}
+
+
+def test_import_isolate_does_not_pull_the_lightning_adapter() -> None:
+    code = "import sys, isolate; isolate.IsolationSpec(); print('lightning_fabric' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

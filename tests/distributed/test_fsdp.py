@@ -1,5 +1,6 @@
-"""Isolation under ``fully_shard`` (FSDP2): audits that see through the shards, the spec
-engine on sharded models, and refusals where a wrapper's graph leaves cannot be mapped.
+"""Isolation under ``fully_shard`` (FSDP2): audits that see through the shards and the spec
+engine on sharded models; FSDP1, HSDP and tensor parallelism by hand. IsolationCallback under
+Lightning's ModelParallelStrategy is tested in ``test_lightning_fsdp.py``.
 
 The distributed runs happen in ``_fsdp_script.py`` (2 CPU processes with gloo, 4 for the
 HSDP mesh); each rank writes what it measured, and the tests assert on it.
@@ -12,15 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
-from torch.func import functional_call
 
-import isolate
-import isolate.errors
-import isolate.reachability
-from isolate.errors import ShardedGraphError
-from isolate.reachability import walk
 from tests._launch import launch, ranks
 
 SCRIPT = Path(__file__).with_name("_fsdp_script.py")
@@ -181,109 +174,6 @@ def test_a_violation_on_one_rank_is_raised_on_every_rank(engine: list[dict[str, 
     assert "on rank 1 of 2" in first["warned"][0] and "trunk.0.weight" in second["warned"][0]
 
 
-class FlatViews(nn.Module):
-    """A toy wrapper that runs its module on views of one hidden flat leaf, as FSDP1 and
-    flat-buffer optimizers do: the registered parameters share the leaf's storage but are
-    never in the graph."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-        object.__setattr__(self, "_hidden", nn.Parameter(flat))  # a leaf, not registered
-        offset = 0
-        self._slices: dict[str, tuple[int, torch.Size]] = {}
-        for name, p in module.named_parameters():
-            p.data = flat[offset : offset + p.numel()].view_as(p)
-            self._slices[name] = (offset, p.shape)
-            offset += p.numel()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat: torch.Tensor = object.__getattribute__(self, "_hidden")
-        views = {n: flat[o : o + s.numel()].view(s) for n, (o, s) in self._slices.items()}
-        return functional_call(self.module, views, (x,))  # type: ignore[no-any-return]
-
-
-def test_wrapper_with_hidden_leaves_is_refused() -> None:
-    model = FlatViews(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)))
-    loss = model(torch.randn(2, 3)).sum()
-    # Negative control: the walk finds none of the registered parameters; without the
-    # refusal, "()" and a passing assert_isolated are a vacuous proof.
-    found = walk([loss], "raw")
-    assert not any(id(p) in found.leaves for p in model.parameters())
-    with pytest.raises(ShardedGraphError, match=r"^reachable_parameters\(\): the graph's leaves"):
-        isolate.reachability.reachable_parameters(loss, model)
-    with pytest.raises(ShardedGraphError, match=r"^assert_isolated\(\): the graph's leaves"):
-        isolate.assert_isolated(loss, model.module[0], model=model)
-    with pytest.raises(ShardedGraphError, match=r"^gradient_report\(\): "):
-        isolate.gradient_report({"main": loss}, model)
-    assert issubclass(ShardedGraphError, isolate.errors.BlindSpotError)
-
-
-def test_foreign_leaves_that_stand_for_nothing_are_fine() -> None:
-    # Another model's parameters and inputs that require grad are ordinary foreign leaves.
-    encoder, head = nn.Linear(3, 3), nn.Linear(3, 1)
-    x = torch.randn(2, 3, requires_grad=True)
-    loss = head(encoder(x).detach() + x).sum()
-    assert isolate.reachability.reachable_parameters(loss, encoder) == ()
-    isolate.assert_isolated(loss, encoder)
-    assert isolate.reachability.reachable_parameters(loss, head) == ("weight", "bias")
-
-
-LIGHTNING_SCRIPT = Path(__file__).with_name("_lightning_fsdp_script.py")
-
-
-@pytest.fixture(scope="module")
-def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("fsdp_lightning")
-    launch([sys.executable, str(LIGHTNING_SCRIPT), str(out)], cwd=out)
-    return {run: ranks(out, run) for run in ("full", "resume")}
-
-
-FROZEN = ["trunk.0.weight", "trunk.0.bias", "trunk.1.weight", "trunk.1.bias"]
-
-
-@pytest.mark.slow
-def test_callback_under_model_parallel_strategy(
-    lightning: dict[str, list[dict[str, Any]]],
-) -> None:
-    ranks = lightning["full"]
-    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["world_size"] == 2
-    for rank in ranks:
-        # applied at fit start, against the sharded module: the optimizer holds DTensors;
-        # frozen ones were taken out (6 left), trunk.3 joined once at epoch 1 (2 more)
-        assert rank["optimizer_types"] == ["DTensor"]
-        assert rank["groups"] == [[6], [6], [6, 2], [6, 2]]
-        assert rank["state"]["thawed"] == [{"name": "trunk.3", "epoch": 1, "global_step": 2}]
-        assert rank["state"]["frozen"] == FROZEN
-        assert rank["requires_grad_after_fit"]  # restored at teardown
-        # configure_optimizers ran before the spec froze anything: nothing to warn about
-        assert rank["warnings"] == []
-        prints = rank["prints"]  # fit start and the end of each of 3 epochs
-        for name in FROZEN:  # frozen under AdamW weight decay: bitwise unchanged
-            assert len({p[name] for p in prints}) == 1, name
-        w = [p["trunk.3.weight"] for p in prints]
-        assert w[0] == w[1] and w[2] != w[1] and w[3] != w[2]  # learns from epoch 1
-        assert len({p["aux.module.0.weight"] for p in prints}) == 4
-    # every check ran each step (verify_every_n_steps=1), the rank check among them; the
-    # ranks hold identical full tensors after every epoch, the thaw included
-    assert ranks[0]["prints"] == ranks[1]["prints"]
-
-
-@pytest.mark.slow
-def test_resume_from_a_distributed_checkpoint_is_exact(
-    lightning: dict[str, list[dict[str, Any]]],
-) -> None:
-    for full, resumed in zip(lightning["full"], lightning["resume"], strict=True):
-        assert "epoch=1-step=4.ckpt" in full["checkpoints"]
-        # the thawed group exists before the strategy loads the optimizer state into it
-        assert resumed["groups"] == [[6, 2], [6, 2]]
-        assert resumed["optim"][0] == full["optim"][2]  # AdamW state of epoch 2's start
-        assert resumed["state"] == full["state"]  # not frozen again
-        assert resumed["prints"][0] == full["prints"][2]
-        assert resumed["prints"][-1] == full["prints"][-1]  # bitwise, after epoch 2
-
-
 @pytest.fixture(scope="module")
 def fsdp1(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _run("fsdp1", tmp_path_factory.mktemp("fsdp1"))
@@ -310,45 +200,6 @@ def test_fsdp1_by_hand_on_the_cpu(fsdp1: list[dict[str, Any]]) -> None:
             "units built with use_orig_params=False"
         )
         assert "use_orig_params=True" in rank["orig_params_false"]
-
-
-def _fake_trainer(strategy: object, callback: object) -> Any:
-    import types
-
-    return types.SimpleNamespace(callbacks=[callback], strategy=strategy)
-
-
-def test_deepspeed_is_refused_naming_the_reason() -> None:
-    from pytorch_lightning.strategies import DeepSpeedStrategy
-
-    from isolate.errors import UnsupportedStrategyError
-    from isolate.lightning import IsolationCallback
-    from isolate.lightning.strategies import check_trainer
-
-    callback = IsolationCallback(freeze=["trunk"])
-    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # deepspeed is not installed
-    with pytest.raises(
-        UnsupportedStrategyError, match=r"^IsolationCallback: the DeepSpeedStrategy is not"
-    ) as raised:
-        check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
-    assert "microsoft/DeepSpeed#5639" in str(raised.value)
-    assert "ModelParallelStrategy" in str(raised.value)
-
-
-def test_fsdp_strategy_without_orig_params_is_refused() -> None:
-    from pytorch_lightning.strategies import FSDPStrategy
-
-    from isolate.errors import UnsupportedStrategyError
-    from isolate.lightning import IsolationCallback
-    from isolate.lightning.strategies import check_trainer
-
-    callback = IsolationCallback(freeze=["trunk"])
-    strategy = FSDPStrategy.__new__(FSDPStrategy)
-    strategy.kwargs = {"use_orig_params": False}
-    with pytest.raises(UnsupportedStrategyError, match=r"use_orig_params=False\) flattens"):
-        check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
-    strategy.kwargs = {"use_orig_params": True}
-    check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ import yaml
 from experiments.cli import cli_main
 from isolate.errors import InplaceModificationError
 from tests._launch import REPO, launch
+from tests.experiments._shared import SHARED_DATA
 
-SHARED_DATA = REPO.parent / "shared" / "data"
 CONFIGS = REPO / "configs"
 PRESETS = CONFIGS / "presets"
 

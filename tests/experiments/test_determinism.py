@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from tests._launch import REPO
-
-SHARED_DATA = REPO.parent / "shared" / "data"
+from tests.experiments._shared import SHARED_DATA
 
 pytestmark = pytest.mark.skipif(
     not (SHARED_DATA / "MNIST" / "raw").is_dir(),

@@ -17,6 +17,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.demos.boring_classes import BoringModel
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -232,3 +233,28 @@ def trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Train
 def state(model: nn.Module) -> dict[str, torch.Tensor]:
     """A copy of every parameter and buffer, by state_dict key."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fit(
+    root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], **kw: Any
+) -> pl.Trainer:
+    """Fit ``model`` for 2 epochs without validation (``kw`` overrides) and return the trainer."""
+    options: dict[str, Any] = {"limit_val_batches": 0, "max_epochs": 2}
+    options.update(kw)
+    run = trainer(root, callbacks, **options)
+    run.fit(model)
+    return run
+
+
+class Four(BoringModel):
+    """Lightning's BoringModel with four Linear layers; its optimizer takes what trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Sequential(
+            nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 2)
+        )
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)

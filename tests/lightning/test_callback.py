@@ -1,7 +1,7 @@
 """IsolationCallback with a real, tiny Trainer: freezing, BatchNorm policy, detaching, the thaw
 schedule, the checks while training, checkpoints and resume, and the spec's validation.
 
-The model (``_lightning_models.Net``) is trunk (Linear, BatchNorm, ReLU, Linear) -> head, and
+The model (``tests.lightning._models.Net``) is trunk (Linear, BatchNorm, ReLU, Linear) -> head, and
 trunk -> aux; 64 samples in batches of 16 make 4 optimizer steps per epoch.
 """
 

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from isolate import IsolationSpec, IsolationWarning, Thaw
 from isolate.errors import CheckpointMismatchError, CutOffError, IsolationTypeError, SpecError
 from isolate.lightning import IsolationCallback
-from isolate.lightning.strategies import check_trainer
 from isolate.spec.state import plain
 from tests.lightning._models import Net, TwoOptimizerNet, loader, state, trainer
 
@@ -71,17 +70,6 @@ def test_two_callbacks_on_one_trainer_are_refused(tmp_path: Path) -> None:
     ):
         fit.fit(model, loader())
     unchanged(model, before)
-
-
-def test_an_unsupported_strategy_is_refused_by_name() -> None:
-    callback = IsolationCallback(freeze=["trunk"])
-
-    class ShardingStrategy:
-        pass
-
-    fake = types.SimpleNamespace(callbacks=[callback], strategy=ShardingStrategy())
-    with pytest.raises(SpecError, match=r"ShardingStrategy strategy is not supported"):
-        check_trainer(fake, callback, "IsolationCallback")  # type: ignore[arg-type]
 
 
 def test_isolation_losses_must_be_a_dict_of_tensors(tmp_path: Path) -> None:
@@ -285,19 +273,6 @@ def test_a_checkpoint_without_the_callbacks_state_is_refused_at_either_hook(
     finally:
         callback.handle.restore()
         callback.handle = None
-
-
-def test_a_ddp_wrapper_from_another_strategy_cannot_be_rebuilt() -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from isolate.lightning.strategies import rewrap
-
-    wrapped = object.__new__(DistributedDataParallel)  # isinstance only: never run
-    fake = types.SimpleNamespace(strategy=types.SimpleNamespace(model=wrapped))
-    with pytest.raises(SpecError, match=r"wrapped in DistributedDataParallel by SimpleNamespace"):
-        rewrap(fake, "IsolationCallback")  # type: ignore[arg-type]
-    plain = types.SimpleNamespace(strategy=types.SimpleNamespace(model=Net()))
-    assert rewrap(plain, "IsolationCallback") is False  # type: ignore[arg-type]
 
 
 def test_the_callback_logs_the_gradient_figure_to_loggers_that_take_figures(

@@ -3,7 +3,7 @@ and resumed from its last checkpoint ends bitwise where the uninterrupted run en
 load with ``weights_only=True``; config files cannot run code; a checkpoint of another spec is
 refused by name; an error anywhere in a step leaves the model as it was before ``fit``.
 
-The model (``_lightning_models.Net``) is trunk (Linear, BatchNorm, ReLU, Linear) -> head, and
+The model (``tests.lightning._models.Net``) is trunk (Linear, BatchNorm, ReLU, Linear) -> head, and
 trunk -> aux; 64 samples in batches of 16 make 4 optimizer steps per epoch. The schedule thaws
 ``trunk.0`` before step 3 (mid-epoch 0) and ``trunk.1`` (the BatchNorm) and ``trunk.3`` at
 epoch 1 (step 4).

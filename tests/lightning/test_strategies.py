@@ -1,0 +1,62 @@
+"""Which Lightning strategies the callback supports: an unknown one, DeepSpeed, and FSDP without
+``use_orig_params`` are refused naming the reason; a DDP wrapper built by another strategy is
+not rebuilt. (Runs under DDP and FSDP2 are in tests/distributed/.)"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+
+from isolate.errors import SpecError, UnsupportedStrategyError
+from isolate.lightning import IsolationCallback
+from isolate.lightning.strategies import check_trainer, rewrap
+from tests.lightning._models import Net
+
+
+def _fake_trainer(strategy: object, callback: object) -> Any:
+    return types.SimpleNamespace(callbacks=[callback], strategy=strategy)
+
+
+def test_an_unsupported_strategy_is_refused_by_name() -> None:
+    callback = IsolationCallback(freeze=["trunk"])
+
+    class ShardingStrategy:
+        pass
+
+    fake = types.SimpleNamespace(callbacks=[callback], strategy=ShardingStrategy())
+    with pytest.raises(SpecError, match=r"ShardingStrategy strategy is not supported"):
+        check_trainer(fake, callback, "IsolationCallback")  # type: ignore[arg-type]
+
+
+def test_deepspeed_is_refused_naming_the_reason() -> None:
+    callback = IsolationCallback(freeze=["trunk"])
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # deepspeed is not installed
+    with pytest.raises(
+        UnsupportedStrategyError, match=r"^IsolationCallback: the DeepSpeedStrategy is not"
+    ) as raised:
+        check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
+    assert "microsoft/DeepSpeed#5639" in str(raised.value)
+    assert "ModelParallelStrategy" in str(raised.value)
+
+
+def test_fsdp_strategy_without_orig_params_is_refused() -> None:
+    callback = IsolationCallback(freeze=["trunk"])
+    strategy = FSDPStrategy.__new__(FSDPStrategy)
+    strategy.kwargs = {"use_orig_params": False}
+    with pytest.raises(UnsupportedStrategyError, match=r"use_orig_params=False\) flattens"):
+        check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
+    strategy.kwargs = {"use_orig_params": True}
+    check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
+
+
+def test_a_ddp_wrapper_from_another_strategy_cannot_be_rebuilt() -> None:
+    wrapped = object.__new__(DistributedDataParallel)  # isinstance only: never run
+    fake = types.SimpleNamespace(strategy=types.SimpleNamespace(model=wrapped))
+    with pytest.raises(SpecError, match=r"wrapped in DistributedDataParallel by SimpleNamespace"):
+        rewrap(fake, "IsolationCallback")  # type: ignore[arg-type]
+    plain = types.SimpleNamespace(strategy=types.SimpleNamespace(model=Net()))
+    assert rewrap(plain, "IsolationCallback") is False  # type: ignore[arg-type]

@@ -1,0 +1,101 @@
+"""LR schedulers and a thawed group: every scheduler kind torch ships schedules a group that
+joins mid-training, and one whose per-group state isolate cannot know is refused at attach,
+before anything changes.
+
+Plain loops on a two-layer net: layer 0 frozen and thawed, layer 1 trains from the start.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.optim import lr_scheduler as L
+
+from isolate import IsolationSpec, Thaw
+from isolate.errors import SpecError
+from tests.spec._models import train, two_layers
+
+SCHEDULERS: dict[str, tuple[Callable[[torch.optim.Optimizer], Any], float]] = {
+    # factory, and the thawed group's lr over group 0's once it has joined (base 0.05 over
+    # group 0's base: 0.1, or the cycle's start 0.01 / OneCycleLR's 0.1 / 25)
+    "LambdaLR": (lambda o: L.LambdaLR(o, lambda s: 0.9**s), 0.5),
+    "MultiplicativeLR": (lambda o: L.MultiplicativeLR(o, lambda s: 0.9), 0.5),
+    "StepLR": (lambda o: L.StepLR(o, 2, 0.5), 0.5),
+    "MultiStepLR": (lambda o: L.MultiStepLR(o, [3, 6], 0.5), 0.5),
+    "ConstantLR": (lambda o: L.ConstantLR(o, 0.5, total_iters=6), 0.5),
+    "LinearLR": (lambda o: L.LinearLR(o, 0.2, 1.0, total_iters=8), 0.5),
+    "ExponentialLR": (lambda o: L.ExponentialLR(o, 0.8), 0.5),
+    "PolynomialLR": (lambda o: L.PolynomialLR(o, 20, 2.0), 0.5),
+    "CosineAnnealingLR": (lambda o: L.CosineAnnealingLR(o, 20), 0.5),
+    "CosineAnnealingLR-eta_min": (lambda o: L.CosineAnnealingLR(o, 20, eta_min=0.01), math.nan),
+    "CosineAnnealingWarmRestarts": (lambda o: L.CosineAnnealingWarmRestarts(o, 4), 0.5),
+    "CyclicLR": (lambda o: L.CyclicLR(o, 0.01, 0.1, step_size_up=3), 5.0),
+    "OneCycleLR": (lambda o: L.OneCycleLR(o, 0.1, total_steps=20), 12.5),
+    "ReduceLROnPlateau": (lambda o: L.ReduceLROnPlateau(o, patience=0, factor=0.5), math.nan),
+    "SequentialLR": (
+        lambda o: L.SequentialLR(
+            o, [L.LinearLR(o, 0.5, total_iters=3), L.ExponentialLR(o, 0.8)], [3]
+        ),
+        0.5,
+    ),
+    "ChainedScheduler": (
+        lambda o: L.ChainedScheduler([L.ExponentialLR(o, 0.9), L.StepLR(o, 3, 0.5)]),
+        0.5,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(SCHEDULERS))
+def test_every_known_scheduler_schedules_a_thawed_group(kind: str) -> None:
+    factory, ratio = SCHEDULERS[kind]
+    model = two_layers()
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9)
+    scheduler = factory(opt)
+    spec = IsolationSpec(freeze=["0"], thaw=[Thaw("0", step=4, lr=0.05)])
+    used, _ = train(model, spec, opt, scheduler, 14)
+    assert [len(u) for u in used] == [1] * 4 + [2] * 10
+    head = [u[0] for u in used[4:]]
+    thawed = [u[1] for u in used[4:]]
+    assert len(set(thawed)) > 1  # scheduled: never a constant lr
+    if kind == "CosineAnnealingLR-eta_min":  # the cosine factor above the floor is shared
+        progress = [(h - 0.01) / (0.1 - 0.01) for h in head]
+        assert thawed == pytest.approx([0.01 + (0.05 - 0.01) * p for p in progress])
+    elif kind == "ReduceLROnPlateau":  # joins at its lr, then halves with the others
+        assert thawed == pytest.approx([0.05 * 0.5**i for i in range(10)])
+        assert scheduler.min_lrs == [0]  # restored with the group
+    else:
+        assert [t / h for t, h in zip(thawed, head, strict=True)] == pytest.approx([ratio] * 10)
+    lists = ["base_lrs", "lr_lambdas", "max_lrs", "min_lrs", "_last_lr", "base_momentums"]
+    for child in [scheduler, *getattr(scheduler, "_schedulers", [])]:
+        for name in lists:
+            value = getattr(child, name, None)
+            assert value is None or len(value) == 1, (child, name)  # restored with the group
+
+
+def test_an_unknown_scheduler_is_refused_at_attach_before_anything_changes() -> None:
+    class Warmup(L.LRScheduler):  # per-group state isolate cannot know
+        def get_lr(self) -> list[float]:
+            return [b * min(1.0, (self.last_epoch + 1) / 5) for b in self.base_lrs]
+
+    model = two_layers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = Warmup(opt)
+    spec = IsolationSpec(freeze=["0"], thaw=[Thaw("0", epoch=1)])
+    handle = spec.apply(model)
+    groups = [list(g["params"]) for g in opt.param_groups]
+    with pytest.raises(SpecError, match=r"thaw group '0': the LR scheduler Warmup cannot schedule"):
+        handle.attach(opt, [scheduler])
+    assert [list(g["params"]) for g in opt.param_groups] == groups  # not taken out
+    handle.restore()
+    # Per-group lambdas and parameters that were in no group: no lambda to give them.
+    model = two_layers()
+    opt = torch.optim.SGD([{"params": [model[1].weight]}, {"params": [model[1].bias]}], lr=0.1)
+    scheduler = L.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.5])
+    handle = IsolationSpec(freeze=["0"], thaw=[Thaw("0", epoch=1, lr=0.1)]).apply(model)
+    with pytest.raises(SpecError, match=r"different lambda per param group"):
+        handle.attach(opt, [scheduler])
+    handle.restore()

@@ -1,0 +1,38 @@
+"""Thaw as data: every bad field of a step is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from isolate import Thaw
+from isolate.errors import SpecError
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            {"epoch": 1, "warmup_ratio": 0.1},
+            r"needs exactly one of warmup_steps= or warmup_epochs=",
+        ),
+        (
+            {"epoch": 1, "warmup_ratio": 0, "warmup_steps": 2},
+            r"warmup_ratio must be a number in \(0, 1\]",
+        ),
+        ({"epoch": 1, "warmup_steps": 2}, r"need warmup_ratio="),
+        (
+            {"epoch": 1, "warmup_ratio": 0.5, "warmup_steps": 2, "warmup_shape": "step"},
+            r"warmup_shape must be",
+        ),
+        ({"epoch": 1, "align": True, "lr": 0.1}, r"align=True follows the lr of the group"),
+        ({"monitor": "val", "patience": 0}, r"patience must be an integer >= 1"),
+        ({"epoch": 1, "patience": 5}, r"\['patience'\] apply to monitor="),
+        ({"monitor": "val", "mode": "up"}, r"mode must be 'min' or 'max'"),
+        ({}, r"give exactly one of epoch= or step= \(or monitor="),
+    ],
+)
+def test_bad_thaw_fields_are_refused_by_name(keys: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        Thaw.from_dict({"select": "0", **keys})
