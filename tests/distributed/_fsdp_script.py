@@ -7,7 +7,8 @@ Usage: ``python tests/distributed/_fsdp_script.py MODE OUT_DIR``. It spawns 2 pr
 Modes:
 
 * ``audits``: the audits on a sharded model against the same model unsharded, on the same
-  batch, and the raw graph walk (the false pass without the fix);
+  batch, and the raw graph walk (the negative control: what an audit that does not map
+  the shards would see);
 * ``engine``: an IsolationSpec applied to a sharded model and trained with AdamW (weight
   decay) and with SGD (momentum): full-tensor fingerprints per step, thaw bookkeeping, and
   the naive thaw that is lost when a unit stays unsharded;
@@ -106,7 +107,8 @@ def audits() -> dict[str, Any]:
         key = "cut" if cut else "joined"
         out[f"{key}/reach"] = isolate.reachability.reachable_parameters(aux.sum(), model)
         out[f"{key}/reach_ref"] = isolate.reachability.reachable_parameters(ref_aux.sum(), ref)
-        found = walk([aux.sum()], "raw")  # the walk alone: what the audits saw before the fix
+        # the walk alone: what an audit that does not map the shards sees
+        found = walk([aux.sum()], "raw")
         out[f"{key}/raw_reach"] = [n for n, p in model.named_parameters() if id(p) in found.leaves]
         out[f"{key}/raw_trunk_hits"] = [
             n for n, p in model.trunk.named_parameters() if id(p) in found.leaves

@@ -47,8 +47,9 @@ def test_reachable_parameters_sees_through_the_shards(audits: list[dict[str, Any
             rank["joined/reach"] == rank["joined/reach_ref"] == [*TRUNK, "aux.weight", "aux.bias"]
         )
         assert rank["cut/reach"] == rank["cut/reach_ref"] == ["aux.weight", "aux.bias"]
-        # Negative control: the walk alone finds none of the sharded parameters, so the
-        # audit before the fix answered () and "isolated" for a loss that reaches the trunk.
+        # Negative control: the walk alone finds none of the sharded parameters, so an audit
+        # that did not map the shards would answer () and "isolated" for a loss that reaches
+        # the trunk.
         assert rank["joined/raw_reach"] == [] and rank["joined/raw_trunk_hits"] == []
 
 

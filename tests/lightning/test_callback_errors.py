@@ -1,7 +1,7 @@
 """Every refusal of IsolationCallback, each reached through a real (tiny) Trainer where it can
 be, with its message and with the model left as it was.
 
-Issue 17 found these raise sites unexercised; each test below fails if its check is removed.
+Each test below fails if its check is removed.
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def test_state_that_cannot_be_saved_is_refused_by_type() -> None:
 def test_manual_backward_twice_checks_the_second_loss_against_the_same_forward(
     tmp_path: Path,
 ) -> None:
-    # Issue 12 item 5: the first backward used to clear what the Detached wrapper recorded.
+    # Manual optimization with two backwards over one forward: the first backward must not
+    # clear what the Detached wrapper recorded for the check of the second.
     class TwoBackwards(TwoOptimizerNet):
         def training_step(self, batch: Any, batch_idx: int) -> None:
             x, y, z = batch
@@ -210,7 +211,8 @@ def test_manual_backward_twice_checks_the_second_loss_against_the_same_forward(
 
 
 def test_parameters_cut_off_from_the_loss_are_named(tmp_path: Path) -> None:
-    # Issue 16: the aux branch is trainable but its loss is never added in.
+    # The aux branch is trainable but its loss is never added in: its parameters get no
+    # gradient, and the callback names them.
     with pytest.raises(
         CutOffError,
         match=r"^IsolationCallback: at step 0, 4 of 12 trainable parameters get no gradient "

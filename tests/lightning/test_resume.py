@@ -1,10 +1,10 @@
-"""Reliability of IsolationCallback (issue 7, the Lightning part): a run interrupted at any step
-and resumed from its last checkpoint ends bitwise where the uninterrupted run ends; checkpoints
-load with ``weights_only=True``; config files cannot run code; a checkpoint of another spec is
-refused by name; an error anywhere in a step leaves the model as it was before ``fit``.
+"""Reliability of IsolationCallback: a run interrupted at any step and resumed from its last
+checkpoint ends bitwise where the uninterrupted run ends; checkpoints load with
+``weights_only=True``; config files cannot run code; a checkpoint of another spec is refused by
+name; an error anywhere in a step leaves the model as it was before ``fit``.
 
-The model (``tests.lightning._models.Net``) is trunk (Linear, BatchNorm, ReLU, Linear) -> head, and
-trunk -> aux; 64 samples in batches of 16 make 4 optimizer steps per epoch. The schedule thaws
+The model (``tests.lightning._models.Net``) is trunk (Linear, BatchNorm, ReLU, Linear) -> head,
+and trunk -> aux; 64 samples in batches of 16 make 4 optimizer steps per epoch. The schedule thaws
 ``trunk.0`` before step 3 (mid-epoch 0) and ``trunk.1`` (the BatchNorm) and ``trunk.3`` at
 epoch 1 (step 4).
 

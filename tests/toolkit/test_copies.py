@@ -1,4 +1,4 @@
-"""Holds and wrappers survive copies (issue 12, item 3): a copy of a Frozen, Detached or
+"""Holds and wrappers survive copies: a copy of a Frozen, Detached or
 Cloned module made by copy.deepcopy, pickle, torch.save/torch.load or EMA/SWA averaging is a
 wrapper of its own over the copied module, and releasing it never touches the original.
 

@@ -279,7 +279,7 @@ def test_scale_gradient_takes_a_one_element_tensor_and_refuses_a_longer_one() ->
         isolate.scale_gradient("x", 1.0)
 
 
-# Issue 12, item 7: an in-place op right after the scale.
+# An in-place op right after the scale: autograd must not see the scale's output edited.
 
 
 # Powers of two, so that alpha * grad is exact and the gradients can be compared bitwise.
@@ -326,7 +326,7 @@ def test_gradient_scale_output_aliases_its_input_like_identity() -> None:
     assert saved.grad_fn is not None
 
 
-# Issue 12, item 8: per-sample gradients with torch.func.
+# Per-sample gradients with torch.func (vmap of grad): the scale works under functorch.
 
 
 @pytest.mark.parametrize("alpha", [1.0, -1.0, 0.25, 0.0])

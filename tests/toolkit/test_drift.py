@@ -318,7 +318,8 @@ def test_every_dtype_in_both_modes(dtype: torch.dtype, copy: bool) -> None:
 
 @pytest.mark.parametrize("copy", [True, False], ids=["copy", "fingerprint"])
 def test_sparse_buffers_in_both_modes(copy: bool) -> None:
-    """Issue 12 item 9: torch.equal is not implemented for sparse tensors."""
+    """Sparse buffers are compared by their values (torch.equal is not implemented for sparse
+    tensors), an entry that moved included."""
     model = nn.Module()
     model.register_buffer("coo", torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,)).coalesce())
     model.register_buffer("csr", torch.eye(3).to_sparse_csr())
@@ -349,7 +350,8 @@ def test_max_abs_diff_of_sparse_tensors() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Checks follow names, not captured objects (issue 12 item 1: SWA replaces buffers)
+# Checks follow names, not captured objects: Lightning's StochasticWeightAveraging replaces
+# BatchNorm's buffers with new tensors, and the new values are what must be checked
 
 
 def swa_like_reset(bn: nn.BatchNorm1d) -> None:

@@ -481,7 +481,8 @@ def test_freeze_names_optimizer_groups_that_could_still_move_frozen_parameters(n
         freeze(net, "head", optimizer="sgd")  # type: ignore[arg-type]
 
 
-# Issue 12, item 6: everything is validated before the first flag flips.
+# Everything is validated before the first flag flips: a parameter that cannot be frozen
+# (uninitialized lazy, made under inference mode) is refused and nothing changes.
 
 
 def _lazy_model() -> nn.Sequential:
@@ -572,8 +573,9 @@ def test_frozen_holds_a_batchnorm_without_affine_parameters() -> None:
     assert bn.training and bn.running_mean.abs().sum() > 0
 
 
-# Issue 13: the resolved path checks each condition in one pass and writes flags by
-# assignment; these pin what the fast paths must still do.
+# The resolved path checks each condition in one pass and writes flags by assignment; these
+# pin what it must still do: call a subclass's requires_grad_, restore mixed flags exactly,
+# name the one bad parameter among many.
 
 
 class Counting(nn.Parameter):

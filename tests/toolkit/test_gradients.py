@@ -136,7 +136,8 @@ def test_report_matches_a_float64_reference_in_every_precision(precision: str) -
 
 
 def test_a_half_precision_norm_beyond_the_half_range_is_not_inf() -> None:
-    """Issue 12 item 4: 2048^2 + 64^2 + 1 = 2049^2 overflows float16 (max 65504)."""
+    """Norms are summed in float32 or wider: 2048^2 + 64^2 + 1 = 2049^2 overflows float16
+    (max 65504), yet the norm itself fits."""
     p = nn.Parameter(torch.zeros(3, dtype=torch.float16))
     model = nn.ParameterDict({"p": p})
     loss = (p * torch.tensor([2048.0, 64.0, 1.0], dtype=torch.float16)).sum()
@@ -170,7 +171,7 @@ def test_an_inf_gradient_is_reported_as_inf() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Sparse gradients (issue 12 item 9)
+# Sparse gradients (an embedding with sparse=True): the same numbers as dense ones
 
 
 class Bag(nn.Module):
@@ -225,7 +226,7 @@ def test_invariance_with_sparse_gradients() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Undefined cosines and frozen groups (issue 12 item 11)
+# Undefined cosines and frozen groups: what the report says when a value does not exist
 
 
 def test_cosine_of_losses_that_share_no_parameter_is_undefined() -> None:

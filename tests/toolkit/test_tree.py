@@ -1,5 +1,5 @@
 """Every container a wrapper or a function is handed is either seen into or refused with a
-typed error that names the type and the fix: nothing goes through unseen (issue 12, item 2).
+typed error that names the type and the fix: nothing goes through unseen.
 
 One rule for all of them (isolate/_tree.py): Detached, Cloned, Frozen's input check,
 stop_gradient, clone and scale_gradient.
