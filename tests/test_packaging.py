@@ -5,11 +5,11 @@ from __future__ import annotations
 import ast
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import isolate
+from tests._launch import REPO, launch
 
 
 def test_import_isolate_pulls_in_neither_lightning_nor_torchvision() -> None:
@@ -18,7 +18,7 @@ def test_import_isolate_pulls_in_neither_lightning_nor_torchvision() -> None:
         "print(json.dumps(sorted(m for m in sys.modules "
         "if m.split('.')[0] in {'pytorch_lightning', 'lightning', 'torchvision', 'pytest'})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = launch([sys.executable, "-c", code], cwd=REPO)
     assert json.loads(out.stdout) == []
 
 
@@ -47,5 +47,5 @@ def test_the_core_declares_exactly_the_packages_it_imports() -> None:
 
 def test_import_isolate_does_not_pull_the_lightning_adapter() -> None:
     code = "import sys, isolate; isolate.IsolationSpec(); print('lightning_fabric' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = launch([sys.executable, "-c", code], cwd=REPO)
     assert out.stdout.strip() == "False"

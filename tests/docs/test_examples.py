@@ -17,7 +17,7 @@ from torch import nn
 from examples import fabric_loop, lightning_callback, plain_loop
 from examples.toy import Net, batches
 from isolate.errors import CheckpointMismatchError
-from tests._launch import REPO
+from tests._launch import REPO, child_env
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -114,6 +114,7 @@ def test_scripts_run_from_the_command_line(tmp_path: Path, script: str, referenc
     out = subprocess.run(
         [sys.executable, str(REPO / "examples" / script), "--epochs", "4"],
         cwd=tmp_path,
+        env=child_env(),
         capture_output=True,
         text=True,
         check=True,

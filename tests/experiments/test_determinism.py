@@ -10,7 +10,6 @@ wall-clock time (``timings.json`` does) and no absolute path.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._launch import REPO
+from tests._launch import REPO, child_env
 from tests.experiments._shared import SHARED_DATA
 
 pytestmark = pytest.mark.skipif(
@@ -52,9 +51,7 @@ WALL_CLOCK = re.compile(r"\d(?:\.\d+)? ?s\b|\bseconds\b")
 
 
 def _env(hash_seed: int) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": str(hash_seed)}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env({"PYTHONHASHSEED": str(hash_seed)})
     env.pop("ISOLATE_DATA_ROOT", None)
     return env
 

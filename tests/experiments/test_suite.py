@@ -18,7 +18,7 @@ import torch
 
 from experiments.model import IsolationNet
 from experiments.suite import run_suite
-from tests._launch import REPO
+from tests._launch import REPO, child_env
 from tests.experiments._shared import (
     BEFORE_THE_LAST_LAYER,
     SHARED_DATA,
@@ -227,9 +227,6 @@ def test_simsiam_collapses_without_the_stop_gradient(suite: tuple[Path, dict[str
 def _suite_in_processes(tmp_path: Path, *flags: str) -> dict[str, Any]:
     """``suite --quick`` with ``flags`` in a fresh process (it starts the runs' processes);
     returns its ``results.json``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     done = subprocess.run(
         [
             sys.executable,
@@ -244,7 +241,7 @@ def _suite_in_processes(tmp_path: Path, *flags: str) -> dict[str, Any]:
             "--data.download=false",
         ],
         cwd=REPO,
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -372,7 +369,8 @@ def test_a_reproduce_line_run_as_printed_gives_the_suites_numbers(
     assert line.startswith("python -m experiments fit --config configs/attached.yaml")
     assert "--threads=1" in line and "--record.reference=" in line
     (output / "runs" / "attached" / "run.json").unlink()
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # --threads says it
+    env = child_env()
+    env.pop("OMP_NUM_THREADS")  # --threads says it
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     env.pop("ISOLATE_DATA_ROOT", None)
     done = subprocess.run(

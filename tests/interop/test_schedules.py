@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ from isolate import IsolationSpec
 from isolate.cli import main
 from isolate.errors import SpecError
 from isolate.interop.schedules import default_schedule
-from tests._launch import REPO, child_env
+from tests._launch import REPO, launch
 from tests.interop._schedule_models import Tower
 
 
@@ -53,13 +52,9 @@ def test_schedule_command_writes_yaml_that_applies(capsys: pytest.CaptureFixture
 
 @pytest.mark.slow
 def test_schedule_command_runs_as_a_module() -> None:
-    out = subprocess.run(
+    out = launch(
         [sys.executable, "-m", "isolate", "schedule", "tests.interop._schedule_models:build_tower"],
         cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        check=True,
     ).stdout
     thaw = yaml.safe_load(out)["thaw"]
     assert thaw[0] == {"select": "model.stage2", "monitor": "val_loss", "patience": 3}

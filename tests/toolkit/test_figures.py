@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 
 import matplotlib
@@ -17,6 +16,7 @@ from isolate import gradient_report
 from isolate.cutoff import cut_off_parameters
 from isolate.errors import IsolationTypeError
 from isolate.figures import cell_text, plot_report
+from tests._launch import REPO, launch
 
 matplotlib.use("Agg")
 
@@ -118,5 +118,5 @@ def test_import_isolate_does_not_import_matplotlib() -> None:
     code = (
         "import sys, isolate; print('matplotlib' in sys.modules, 'isolate.figures' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = launch([sys.executable, "-c", code], cwd=REPO)
     assert out.stdout.split() == ["False", "False"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from isolate.testing import (
     assert_trains,
     assert_unchanged,
 )
+from tests._launch import REPO, launch
 
 pytest_plugins = ["pytester"]
 
@@ -172,5 +172,5 @@ def test_helpers_import_without_pytest() -> None:
         print(hasattr(t, "isolation_snapshot"))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = launch([sys.executable, "-c", code], cwd=REPO)
     assert out.stdout.strip() == "False"
