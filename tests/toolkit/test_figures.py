@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import sys
 
 import matplotlib
 import numpy as np
@@ -16,7 +15,6 @@ from isolate import gradient_report
 from isolate.cutoff import cut_off_parameters
 from isolate.errors import IsolationTypeError
 from isolate.figures import cell_text, plot_report
-from tests._launch import REPO, launch
 
 matplotlib.use("Agg")
 
@@ -112,11 +110,3 @@ def test_wrong_types() -> None:
     report = gradient_report(losses, model)
     with pytest.raises(IsolationTypeError, match=r"^plot_report\(\): cut_off must be"):
         plot_report(report, cut_off={"a": "b"})  # type: ignore[arg-type]
-
-
-def test_import_isolate_does_not_import_matplotlib() -> None:
-    code = (
-        "import sys, isolate; print('matplotlib' in sys.modules, 'isolate.figures' in sys.modules)"
-    )
-    out = launch([sys.executable, "-c", code], cwd=REPO)
-    assert out.stdout.split() == ["False", "False"]
