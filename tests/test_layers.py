@@ -433,6 +433,7 @@ def test_a_cycle_is_found_whatever_kind_of_import_closes_it(line: str) -> None:
             "spec imports integration",
         ),
     ],
+    ids=lambda case: case.splitlines()[-1].strip() if "\n" in case else case,
 )
 def test_a_step_up_a_layer_is_found(module: str, line: str, rule: str) -> None:
     sources = _with(module, line)
@@ -454,6 +455,7 @@ def test_a_step_up_a_layer_is_found(module: str, line: str, rule: str) -> None:
         ("isolate.spec.checks", "from isolate import fingerprints\nfingerprints._fingerprint(x)"),
         ("experiments.report", "import isolate.freezing\nisolate.freezing._active.clear()"),
     ],
+    ids=lambda case: case.splitlines()[-1].strip() if "\n" in case else case,
 )
 def test_a_private_name_or_module_crossing_is_found(module: str, line: str) -> None:
     inside, outside = (
@@ -498,6 +500,7 @@ def test_a_framework_or_an_integration_loaded_by_import_isolate_is_found() -> No
         ("from isolate.freezing import _active", False),  # a private name
         ("from isolate.cli import main", False),  # an entry point
     ],
+    ids=lambda case: case if isinstance(case, str) else None,
 )
 def test_an_integration_reaching_past_the_public_api_is_found(line: str, allowed: bool) -> None:
     module = "isolate.lightning.metrics"
