@@ -7,7 +7,6 @@ import gc
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from isolate import freezing
-
-REPO = Path(__file__).resolve().parents[1]
+from tests._launch import REPO
 
 # The same examples on every run and machine (a failure reproduces from the test id alone),
 # and no example database: nothing is written into the repo. Run with
