@@ -21,8 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _certify_data import base_state, trained
+from tests.certify._certify_data import base_state, trained
 
 
 def _worker(rank: int, port: int, out: str) -> None:

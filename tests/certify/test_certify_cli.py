@@ -7,9 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
-from _certify_data import base_state, lora_adapter, lora_base, merged, pair, trained, write_lora
 
 from isolate.certificates import main
+from tests.certify._certify_data import (
+    base_state,
+    lora_adapter,
+    lora_base,
+    merged,
+    pair,
+    trained,
+    write_lora,
+)
 
 
 def test_clean_run_exits_0_and_writes_the_certificate(

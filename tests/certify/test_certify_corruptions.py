@@ -6,7 +6,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from _certify_data import (
+from isolate.certificates import certify
+from isolate.certificates.dcp_folder import DcpCheckpoint
+from tests.certify._certify_data import (
     ALPHA,
     SPEC,
     TARGET,
@@ -19,9 +21,6 @@ from _certify_data import (
     trained,
     write_lora,
 )
-
-from isolate.certificates import certify
-from isolate.certificates.dcp_folder import DcpCheckpoint
 
 
 def test_one_base_row_changed(tmp_path: Path) -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _certify_data import SPEC, base_state, pair, save, trained
 
 from isolate.certificates import certify
 from isolate.certificates.dcp_folder import DcpCheckpoint
 from isolate.errors import CertificateError, CheckpointReadError, IsolationError, SelectorError
+from tests.certify._certify_data import SPEC, base_state, pair, save, trained
 
 
 def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from _certify_data import FORMATS, SPEC, base_state, pair, save, save_dcp, trained
 from safetensors.torch import save_file
 
 from isolate.certificates import certify
 from isolate.certificates.opening import open_checkpoint
 from isolate.errors import CheckpointReadError
 from isolate.fingerprints import fingerprint
+from tests.certify._certify_data import FORMATS, SPEC, base_state, pair, save, save_dcp, trained
 
 
 def _mixed() -> dict[str, torch.Tensor]:

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from _lightning_models import Net, loader
 
 from isolate.certificates import certify
 from isolate.lightning import IsolationCallback
 from isolate.spec import IsolationSpec
+from tests.lightning._models import Net, loader
 
 SPEC = IsolationSpec(freeze=["trunk"], bn="eval")
 

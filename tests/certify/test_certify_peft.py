@@ -8,12 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from _certify_data import ALPHA, TARGET, R, lora_adapter, lora_base, merged, write_lora
 from safetensors.torch import save_file
 
 from isolate.certificates import certify
 from isolate.certificates.merge import check_merge
 from isolate.errors import CertificateError
+from tests.certify._certify_data import (
+    ALPHA,
+    TARGET,
+    R,
+    lora_adapter,
+    lora_base,
+    merged,
+    write_lora,
+)
 
 
 def _certify(paths: dict[str, Path], **kwargs: object) -> object:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import doctest
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from experiments.bench.networks import transformer
 from experiments.bench.scale import ScaleConfig, callback_verification
 from experiments.bench.sharded import ShardedConfig
 from isolate.errors import DriftError
+from tests._launch import REPO, launch
 
 COLUMNS = {
     "name",
@@ -230,14 +229,8 @@ def test_import_section_times_fresh_interpreters_and_names_what_isolate_loads(
     )
     extra = row["extra"]
     # What a fresh interpreter says itself, against what the row reports.
-    root = str(Path(imports.__file__).resolve().parents[2])
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
     probe = "import sys, isolate; print('torch._dynamo' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = launch([sys.executable, "-c", probe], cwd=REPO)
     assert extra["torch._dynamo loaded"] is (done.stdout.strip() == "True")
     counts = extra["packages loaded beyond import torch (modules)"]
     assert sum(counts.values()) <= extra["modules loaded beyond import torch"]

@@ -1,0 +1,1 @@
+"""isolate.certificates: certificates from two checkpoints alone."""
