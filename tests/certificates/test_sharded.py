@@ -16,7 +16,7 @@ import torch
 from isolate.certificates import certify
 from isolate.certificates.dcp_folder import DcpCheckpoint
 from tests._launch import launch
-from tests.certify._certify_data import SPEC, base_state, trained
+from tests.certificates._data import SPEC, base_state, trained
 
 SCRIPT = Path(__file__).with_name("_dcp_script.py")
 

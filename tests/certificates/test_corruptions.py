@@ -8,7 +8,7 @@ from pathlib import Path
 
 from isolate.certificates import certify
 from isolate.certificates.dcp_folder import DcpCheckpoint
-from tests.certify._certify_data import (
+from tests.certificates._data import (
     ALPHA,
     SPEC,
     TARGET,

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from isolate.certificates import certify
 from isolate.certificates.merge import check_merge
 from isolate.errors import CertificateError
-from tests.certify._certify_data import (
+from tests.certificates._data import (
     ALPHA,
     TARGET,
     R,

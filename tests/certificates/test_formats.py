@@ -16,7 +16,7 @@ from isolate.certificates import certify
 from isolate.certificates.opening import open_checkpoint
 from isolate.errors import CheckpointReadError
 from isolate.fingerprints import fingerprint
-from tests.certify._certify_data import FORMATS, SPEC, base_state, pair, save, save_dcp, trained
+from tests.certificates._data import FORMATS, SPEC, base_state, pair, save, save_dcp, trained
 
 
 def _mixed() -> dict[str, torch.Tensor]:

@@ -1,9 +1,9 @@
 """Two CPU processes (gloo) writing torch.distributed.checkpoint folders of a state dict whose
 tensors are sharded by rows across them (DTensor, ``Shard(0)``), for
-``test_certify_sharded.py``.
+``tests/certificates/test_sharded.py``.
 
-Usage: ``python _dcp_script.py OUT_DIR``; writes ``OUT_DIR/base`` (the base state) and
-``OUT_DIR/tuned`` (the state trained as declared), each with one shard file per rank.
+Usage: ``python tests/certificates/_dcp_script.py OUT_DIR``; writes ``OUT_DIR/base`` (the base
+state) and ``OUT_DIR/tuned`` (the state trained as declared), each with one shard file per rank.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tests.certify._certify_data import base_state, trained
+from tests.certificates._data import base_state, trained
 
 
 def _worker(rank: int, port: int, out: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from isolate.certificates import certify
 from isolate.certificates.dcp_folder import DcpCheckpoint
 from isolate.errors import CertificateError, CheckpointReadError, IsolationError, SelectorError
-from tests.certify._certify_data import SPEC, base_state, pair, save, trained
+from tests.certificates._data import SPEC, base_state, pair, save, trained
 
 
 def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:

@@ -10,7 +10,7 @@ import torch
 
 from isolate.certificates import certify
 from isolate.spec import IsolationSpec
-from tests.certify._certify_data import FORMATS, SPEC, base_state, pair, trained
+from tests.certificates._data import FORMATS, SPEC, base_state, pair, trained
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

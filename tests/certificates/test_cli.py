@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from isolate.certificates import main
-from tests.certify._certify_data import (
+from tests.certificates._data import (
     base_state,
     lora_adapter,
     lora_base,

@@ -1,1 +1,0 @@
-"""isolate.certificates: certificates from two checkpoints alone."""
