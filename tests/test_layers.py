@@ -3,16 +3,17 @@ level, inside functions and under ``TYPE_CHECKING``.
 
 * (a) no import cycles among the modules of isolate/;
 * (b) the toolkit (isolate/*.py but ``cli``, ``__init__`` and ``__main__``) imports neither the
-  spec package, nor interop, nor an integration;
-* (c) the spec package imports no integration and nothing of interop;
+  spec package, nor the ways in and out (``isolate.interop``, ``isolate.certificates``), nor an
+  integration;
+* (c) the spec package imports neither the ways in and out nor an integration;
 * (d) no module of isolate/, experiments/ or examples/ imports a private name (a leading
   underscore, dunders aside) from another module; inside isolate/ a private *module*
   (``isolate._sharding``) may be imported, from experiments/ and examples/ not;
 * (e) ``import isolate`` loads no framework, no extra and no integration;
 * (f) an integration imports only the public API and the handle's (see :func:`public_api`).
 
-An integration is any package below isolate/ other than ``spec`` and ``interop``
-(``isolate.lightning`` today, and the ones to come). Edges of the import graph:
+An integration is any package below isolate/ that is not a layer (see ``LAYERS``):
+``isolate.lightning`` today, and the ones to come. Edges of the import graph:
 ``import isolate.x.y`` and ``from isolate.x import y`` (``y`` a submodule) go to
 ``isolate.x.y``; ``from isolate.x import name`` goes to ``isolate.x`` (a package: its
 ``__init__``).
@@ -34,7 +35,8 @@ import pytest
 
 from tests._launch import REPO, launch
 
-NOT_INTEGRATIONS = {"spec", "interop"}  # the subpackages of isolate that are layers
+# The subpackages of isolate that are layers, by layer; any other subpackage is an integration.
+LAYERS = {"spec": "spec", "interop": "in-and-out", "certificates": "in-and-out"}
 Sources = Mapping[str, tuple[Path, str]]  # dotted module name -> (its file, its text)
 
 
@@ -145,14 +147,15 @@ def components(edges: Mapping[str, Mapping[str, object]]) -> list[list[str]]:
 
 
 def layer(module: str) -> str:
-    """``toolkit``, ``spec``, ``interop``, ``integration``, or ``entry`` for the package's
-    ``__init__``, ``__main__`` and ``cli``, which stand above the layers."""
+    """``toolkit``, ``spec``, ``in-and-out`` (interop, certificates), ``integration``, or
+    ``entry`` for the package's ``__init__``, ``__main__`` and ``cli``, which stand above the
+    layers."""
     parts = module.split(".")
     if len(parts) == 1 or parts[1] in {"__main__", "cli"}:
         return "entry"
     if not (REPO / "isolate" / parts[1] / "__init__.py").is_file():
         return "toolkit"
-    return parts[1] if parts[1] in NOT_INTEGRATIONS else "integration"
+    return LAYERS.get(parts[1], "integration")
 
 
 def private(name: str) -> bool:
@@ -259,10 +262,10 @@ def _read_off(path: Path, text: str, modules: Sources) -> Iterator[str]:
                 yield f"{path.relative_to(REPO)}:{node.lineno}: {owner}.{node.attr}"
 
 
-# What ``import isolate`` must not load: the frameworks and extras (isolate.testing and
-# isolate.figures are imported explicitly), and every integration.
+# What ``import isolate`` must not load: the frameworks and the extras' packages (plot,
+# certify; isolate.testing and isolate.figures are imported explicitly), and every integration.
 NOT_ON_IMPORT = {"lightning", "lightning_fabric", "pytorch_lightning", "torchvision"}
-NOT_ON_IMPORT |= {"matplotlib", "pytest", "isolate.figures", "isolate.testing"}
+NOT_ON_IMPORT |= {"matplotlib", "pytest", "safetensors", "isolate.figures", "isolate.testing"}
 
 
 def import_report(loaded: set[str], sources: Sources) -> list[str]:
@@ -291,7 +294,7 @@ def public_api(sources: Sources) -> dict[str, set[str] | None]:
     * ``isolate``: the names of ``isolate.__all__``; ``isolate.spec``: ``isolate.spec.__all__``;
     * the public names of the handle's module, ``isolate.spec.handle``;
     * the public names of every public module of the toolkit (``isolate.errors`` among them)
-      and of interop.
+      and of the ways in and out (interop, certificates).
 
     Not: the other modules of the spec package (its internals: plan, checks, state, ranks,
     ...), any private module (``isolate._sharding``, ``isolate.spec._fields``), any private
@@ -303,7 +306,7 @@ def public_api(sources: Sources) -> dict[str, set[str] | None]:
         "isolate.spec.handle": None,
     }
     for module in sources:
-        if layer(module) in {"toolkit", "interop"} and not any(
+        if layer(module) in {"toolkit", "in-and-out"} and not any(
             private(p) for p in module.split(".")
         ):
             allowed[module] = None
@@ -340,14 +343,14 @@ def test_no_import_cycles_in_isolate() -> None:
     assert found == [], "import cycles:\n" + "\n".join(found)
 
 
-def test_the_toolkit_imports_neither_the_spec_nor_interop_nor_an_integration() -> None:
-    assert {layer(m) for m in ISOLATE} == {"entry", "toolkit", "spec", "interop", "integration"}
-    found = layer_report(ISOLATE, {"toolkit"}, {"spec", "interop", "integration"})
+def test_the_toolkit_imports_neither_the_spec_nor_the_ways_in_and_out_nor_an_integration() -> None:
+    assert {layer(m) for m in ISOLATE} == {"entry", "toolkit", "spec", "in-and-out", "integration"}
+    found = layer_report(ISOLATE, {"toolkit"}, {"spec", "in-and-out", "integration"})
     assert found == [], "\n".join(found)
 
 
-def test_the_spec_imports_no_integration_and_nothing_of_interop() -> None:
-    found = layer_report(ISOLATE, {"spec"}, {"interop", "integration"})
+def test_the_spec_imports_neither_the_ways_in_and_out_nor_an_integration() -> None:
+    found = layer_report(ISOLATE, {"spec"}, {"in-and-out", "integration"})
     assert found == [], "\n".join(found)
 
 
@@ -420,13 +423,18 @@ def test_a_cycle_is_found_whatever_kind_of_import_closes_it(line: str) -> None:
     [
         ("isolate.freezing", "from isolate.spec import IsolationSpec", "toolkit imports spec"),
         ("isolate._tree", "def f():\n    import isolate.spec.plan", "toolkit imports spec"),
-        ("isolate.drift", "from isolate.interop import migrate", "toolkit imports interop"),
+        ("isolate.drift", "from isolate.interop import migrate", "toolkit imports in-and-out"),
         (
             "isolate.cutoff",
             "if TYPE_CHECKING:\n    from isolate.lightning import IsolationCallback",
             "toolkit imports integration",
         ),
-        ("isolate.spec.plan", "import isolate.interop.leave", "spec imports interop"),
+        ("isolate.spec.plan", "import isolate.interop.leave", "spec imports in-and-out"),
+        (
+            "isolate.spec.data",
+            "from isolate.certificates import certify",
+            "spec imports in-and-out",
+        ),
         (
             "isolate.spec.handle",
             "from isolate.lightning import callback",
@@ -437,8 +445,8 @@ def test_a_cycle_is_found_whatever_kind_of_import_closes_it(line: str) -> None:
 )
 def test_a_step_up_a_layer_is_found(module: str, line: str, rule: str) -> None:
     sources = _with(module, line)
-    found = layer_report(sources, {"toolkit"}, {"spec", "interop", "integration"})
-    found += layer_report(sources, {"spec"}, {"interop", "integration"})
+    found = layer_report(sources, {"toolkit"}, {"spec", "in-and-out", "integration"})
+    found += layer_report(sources, {"spec"}, {"in-and-out", "integration"})
     added = [f for f in found if _added(module, line) in f]
     assert len(added) == 1 and added[0].startswith(rule), found
 
