@@ -16,7 +16,8 @@ def test_import_isolate_pulls_in_neither_lightning_nor_torchvision() -> None:
     code = (
         "import sys, json, isolate; "
         "print(json.dumps(sorted(m for m in sys.modules "
-        "if m.split('.')[0] in {'pytorch_lightning', 'lightning', 'torchvision', 'pytest'})))"
+        "if m.split('.')[0] in {'pytorch_lightning', 'lightning', 'torchvision', 'pytest', "
+        "'transformers', 'peft'})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
