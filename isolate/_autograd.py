@@ -5,7 +5,6 @@ Nothing is computed and nothing is freed: the graph stays intact for the real ba
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,8 +14,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from isolate._seethrough import SeeThrough
 from isolate._sharding import check_leaves, is_flat_parameter, sharded_view
-from isolate.errors import IsolationTypeError, IsolationWarning, ShardedGraphError
+from isolate.errors import IsolationTypeError, ShardedGraphError
 
 __all__ = ["Losses", "Walk", "check_losses", "graph_inputs", "node_name", "walk"]
 
@@ -52,10 +52,6 @@ _LAYOUT_OPS = frozenset(
     }
 )
 
-# Nodes that use parameters the graph does not show: the reentrant checkpoint re-runs its
-# function in backward, so whatever that function touches is invisible to the walk.
-_OPAQUE_OPS = frozenset({"CheckpointFunctionBackward"})
-
 
 def node_name(node: Node) -> str:
     return node.name().removeprefix("torch::autograd::")
@@ -72,7 +68,6 @@ class Walk:
     # every node seen -> the node it was first reached from (None for the outputs' own nodes).
     # Holding the node objects also keeps their Python wrappers alive, so identity is stable.
     parent: dict[Node, Node | None] = field(default_factory=dict)
-    opaque: list[str] = field(default_factory=list)
 
     def path(self, node: Node) -> list[str]:
         """Node names from an output down to ``node`` along the first-found route."""
@@ -132,18 +127,25 @@ def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
     )
 
 
-def walk(outputs: Sequence[torch.Tensor], caller: str, *, warn: bool = True) -> Walk:
+def walk(outputs: Sequence[torch.Tensor], caller: str) -> Walk:
     """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
 
     Breadth-first rather than depth-first: the cost is the same (each node and edge once),
     and the first route recorded to each node is a shortest one, which is the route a leak
-    message should show. ``warn=False`` leaves the opaque nodes to the caller, which must
-    then act on ``found.opaque`` itself.
+    message should show. Edges are taken as backward follows them (:class:`SeeThrough`):
+    a reentrant checkpoint's segment is re-run to show what it uses, and a compiled region
+    only leads to the inputs its backward graph sends gradient to.
+
+    Raises:
+        BlindSpotError: a reentrant segment cannot be re-run, or a compiled region's
+            backward graph cannot be read.
     """
     found = Walk()
+    see = SeeThrough(caller)
     queue: deque[Node] = deque()
     for out in outputs:
         if out.grad_fn is not None:
+            see.arrive(out.grad_fn, out.output_nr)
             if out.grad_fn not in found.parent:
                 found.parent[out.grad_fn] = None
                 queue.append(out.grad_fn)
@@ -155,26 +157,18 @@ def walk(outputs: Sequence[torch.Tensor], caller: str, *, warn: bool = True) -> 
         if variable is not None:  # the end of a path
             found.leaves[id(variable)] = variable
             continue
-        if node_name(node) in _OPAQUE_OPS:
-            found.opaque.append(node_name(node))
-        for child, _ in node.next_functions:
+        for child, output in see.edges(node):
             if child is None:
                 continue
             leaf = _accumulated(child)
             if leaf is not None:
                 found.consumers.setdefault(id(leaf), []).append(node)
+            widened = see.arrive(child, output)
             if child not in found.parent:
                 found.parent[child] = node
                 queue.append(child)
-    if found.opaque and warn:
-        warnings.warn(
-            f"{caller}: the graph holds {sorted(set(found.opaque))}, which re-runs code in "
-            f"backward; parameters used only inside it are invisible to the graph found. "
-            f"Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) to make them "
-            f"visible",
-            IsolationWarning,
-            stacklevel=3,
-        )
+            elif widened:  # a compiled region reached through another of its outputs
+                queue.append(child)
     return found
 
 
@@ -199,7 +193,7 @@ def graph_inputs(
     flat_model = any(is_flat_parameter(p) for r in roots for p in r.parameters())
     outputs = [t for t in losses if t.requires_grad]
     if outputs:
-        check_leaves(walk(outputs, caller, warn=False), roots, caller, view=view, tensors=params)
+        check_leaves(walk(outputs, caller), roots, caller, view=view, tensors=params)
     if flat_model:
         raise ShardedGraphError(
             f"{caller}: the model holds FSDP1 FlatParameters (FullyShardedDataParallel): the "

@@ -25,6 +25,7 @@ from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
 from isolate._autograd import Losses, Walk, check_losses, walk
+from isolate._checkpointing import recomputing
 from isolate._selectors import Selector, check_module, select
 from isolate._sharding import check_leaves
 from isolate.errors import BlindSpotError, CutOffError, IsolationTypeError
@@ -115,6 +116,8 @@ class ForwardTrace:
         self._watched = {id(m) for m in model.modules()}
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if recomputing():  # an audit re-running a checkpointed segment, not the forward
+            return
         grad = torch.is_grad_enabled()
         tensors = [*_tensors(args), *_tensors(kwargs)]
         call = _Call(
@@ -203,9 +206,9 @@ class CutOff:
     Attributes:
         parameters: parameter name -> why it is cut off (with the fix where one is known),
             in model order. A tied parameter appears under every one of its names.
-        unseen: parameters the graph cannot show either way, because it holds code that is
-            re-run in backward (a reentrant checkpoint that reaches the loss): neither
-            reached nor cut off.
+        unseen: parameters the walk cannot tell about either way. Empty: the walk re-runs
+            reentrant checkpoints and reads compiled regions' backward graphs, and raises
+            :class:`~isolate.errors.BlindSpotError` where it cannot.
         expected_unused: parameters declared unused with ``expected_unused=`` that no loss
             reached; they are not cut off.
         trainable: how many trainable parameter names were checked.
@@ -343,7 +346,7 @@ def _cut_off(
             f"{type(trace).__name__}"
         )
     excused = _check_expected(model, expected_unused, caller)
-    found = walk(outputs, caller, warn=False)
+    found = walk(outputs, caller)
     check_leaves(found, [model], caller)  # FSDP2 temporaries -> their parameters, or refuse
     named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
     missing = [(n, p) for n, p in named if id(p) not in found.leaves]
@@ -352,7 +355,7 @@ def _cut_off(
     owners = _owners(model)
     no_graph = all(out.grad_fn is None for out in outputs)
     entries: list[tuple[int, str]] = []
-    if trace is not None and not found.opaque:
+    if trace is not None:
         modules = {id(m): (n, m) for n, m in model.named_modules()}
         for key, calls in trace.calls.items():
             for c in calls:
@@ -367,11 +370,7 @@ def _cut_off(
         if id(p) in excused:
             expected.append(name)
             continue
-        if found.opaque:
-            # A reentrant checkpoint in the graph re-runs code in backward that may use any
-            # parameter, even one whose module the trace saw elsewhere: refuse to guess.
-            unseen.append(name)
-        elif no_graph:
+        if no_graph:
             parameters[name] = (
                 "no loss has a graph (computed under torch.no_grad(), detached, or from "
                 "frozen parameters only)"
@@ -416,15 +415,17 @@ def cut_off_parameters(
     Raises:
         IsolationTypeError: an argument has the wrong type.
         SelectorError: an ``expected_unused`` selector matches no parameter.
+        BlindSpotError: as :func:`isolate.reachable_parameters`: a reentrant checkpoint
+            cannot be re-run, or a compiled region's backward graph cannot be read.
 
     Note:
         Reachability is structural: a parameter with an exactly zero gradient through a
-        live path (a classifier head initialised to zero) is reached, not cut off. When the
-        graph holds a reentrant checkpoint (``use_reentrant=True``) that reaches the loss,
-        code it re-runs in backward may use any parameter, so every unreached parameter is
-        then listed under ``unseen``, never as cut off (a reentrant checkpoint whose inputs
-        do not require grad has no node in the graph: its parameters are cut off, and
-        ``trace=`` says so).
+        live path (a classifier head initialised to zero) is reached, not cut off. A
+        reentrant checkpoint (``use_reentrant=True``) that reaches the loss is re-run once,
+        as backward re-runs it, to see the parameters it uses; one whose inputs do not
+        require grad has no node in the graph, so its parameters are cut off (as a real
+        backward finds), and ``trace=`` says why. Under ``torch.compile`` a parameter the
+        compiled forward only reads through ``.detach()`` is cut off, as in eager.
 
     >>> model = nn.ModuleDict({"body": nn.Linear(3, 3), "unused": nn.Linear(3, 1)})
     >>> loss = model["body"](torch.randn(2, 3)).sum()
@@ -451,14 +452,14 @@ def assert_reached(
         model: as in :func:`cut_off_parameters`.
         expected_unused: as in :func:`cut_off_parameters`.
         trace: as in :func:`cut_off_parameters`.
-        allow_unseen: pass when the graph holds a reentrant checkpoint that reaches the
-            loss, to check everything the walk can see and accept what it cannot.
+        allow_unseen: accept parameters listed under :attr:`CutOff.unseen` (none: the
+            walk raises where it cannot see).
 
     Raises:
         CutOffError: trainable parameters get no gradient from any loss; the message names
             each one with its reason and the fix.
-        BlindSpotError: nothing is provably cut off, but some parameters cannot be seen
-            (a reentrant checkpoint in the graph): the check refuses rather than guess.
+        BlindSpotError: the walk cannot see part of the graph (see
+            :func:`cut_off_parameters`): the check refuses rather than guess.
         IsolationTypeError: an argument has the wrong type.
         SelectorError: an ``expected_unused`` selector matches no parameter.
 

@@ -261,7 +261,10 @@ def scale_gradient(x: Any, alpha: float) -> Any:
     """
     caller = "scale_gradient()"
     check_structure(x, caller)
-    factor = _check_alpha(alpha, caller)
+    return _apply_scale(x, _check_alpha(alpha, caller), caller)
+
+
+def _apply_scale(x: Any, factor: float, caller: str) -> Any:
     if factor == 0.0:
         # A real cut, so that graph walks (reachable_parameters) see it too.
         return map_tensors(torch.Tensor.detach, x, caller)
@@ -270,6 +273,10 @@ def scale_gradient(x: Any, alpha: float) -> Any:
 
 class GradientScale(nn.Module):
     """Module twin of :func:`scale_gradient`. Assign ``.alpha`` to change it during training.
+
+    ``alpha`` is checked when it is assigned (:class:`IsolationTypeError` unless a finite
+    real number), not in ``forward``: under ``torch.compile(..., fullgraph=True)`` a new
+    alpha recompiles the graph (or makes it take alpha as an input) and takes effect.
 
     >>> reverse = GradientScale(-1.0)
     >>> reverse.alpha = -0.3
@@ -290,7 +297,11 @@ class GradientScale(nn.Module):
         self._alpha = _check_alpha(value, "GradientScale()")
 
     def forward(self, x: Any) -> Any:
-        return scale_gradient(x, self._alpha)
+        # alpha was validated when it was set: checking it here again would put a
+        # math.isfinite call on a symbolic float into every compiled forward.
+        caller = "GradientScale()"
+        check_structure(x, caller)
+        return _apply_scale(x, self._alpha, caller)
 
     def extra_repr(self) -> str:
         return f"alpha={self._alpha}"

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from isolate._autograd import graph_inputs
+from isolate._autograd import graph_inputs, walk
+from isolate._checkpointing import differentiate
+from isolate._compiled import compiled_in
 from isolate._protected import Protected, resolve_named
 from isolate._selectors import check_module, select
 from isolate._sharding import roots_of
@@ -150,6 +152,28 @@ class GradientReport:
 
 
 _Members = list[tuple[str, nn.Parameter]]
+
+
+def _gradients(
+    loss: torch.Tensor, inputs: Sequence[torch.Tensor], caller: str
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of a scalar loss, ``None`` for every input it does not reach.
+
+    Reentrant checkpoints are seen through (:func:`differentiate`). A compiled region's
+    backward sends a zero gradient back from an output the loss does not use, where eager
+    autograd sends none: the walk of the graph, which gives the eager answer, says which
+    inputs are reached.
+
+    Raises:
+        BlindSpotError: a segment cannot be re-run, part of the graph was freed, or a
+            compiled region's backward cannot run on a kept graph (donated buffers).
+    """
+    compiled = compiled_in([loss], caller)
+    grads = differentiate(loss.reshape(()), inputs, caller)
+    if not compiled:
+        return grads
+    reached = walk([loss], caller).leaves
+    return tuple(g if id(t) in reached else None for g, t in zip(grads, inputs, strict=True))
 
 
 def _group_members(model: nn.Module, groups: object, caller: str) -> dict[str, _Members]:
@@ -372,9 +396,7 @@ def gradient_report(
     computed: list[Sequence[torch.Tensor | None]] = []
     for loss in losses.values():
         if params and loss.requires_grad:
-            computed.append(
-                torch.autograd.grad(loss.reshape(()), inputs, retain_graph=True, allow_unused=True)
-            )
+            computed.append(_gradients(loss, inputs, caller))
         else:
             computed.append([None] * len(params))
     names = tuple(losses)
@@ -490,9 +512,7 @@ def gradient_invariance(
     def grads(loss: torch.Tensor) -> dict[int, torch.Tensor | None]:
         if not trainable or not loss.requires_grad:
             return {}
-        computed = torch.autograd.grad(
-            loss.reshape(()), inputs, retain_graph=True, allow_unused=True
-        )
+        computed = _gradients(loss, inputs, caller)
         return {id(p): g for p, g in zip(trainable, computed, strict=True)}
 
     before, after = grads(main_loss), grads(total_loss)

@@ -22,9 +22,10 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
     """The names of the parameters of ``model`` that ``loss`` can send gradient to.
 
     Walks the autograd graph from ``loss.grad_fn`` through ``next_functions`` down to the
-    ``AccumulateGrad`` nodes of the parameters. Nothing is computed and nothing is freed: the
-    graph stays intact for the real backward, and the walk costs far less than one backward
-    pass (each node is visited once, iteratively, so deep graphs are fine).
+    ``AccumulateGrad`` nodes of the parameters. Nothing is freed: the graph stays intact for
+    the real backward, and the walk costs far less than one backward pass (each node is
+    visited once, iteratively, so deep graphs are fine). Only a reentrant checkpoint's
+    segment is computed again, once, keeping none of its activations.
 
     Args:
         loss: a tensor, or a sequence of tensors (all their graphs are walked together).
@@ -41,18 +42,23 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
         ShardedGraphError: the graph's leaves stand for parameters of ``model`` that the walk
             cannot map back (FSDP1 flat parameters, views of a hidden leaf); FSDP2
             (``fully_shard``) temporaries are mapped to their sharded parameters.
-
-    Warns:
-        IsolationWarning: the graph holds a reentrant checkpoint, whose insides it cannot see.
+        BlindSpotError: a reentrant checkpoint's segment cannot be re-run (its saved inputs
+            were freed by a backward, or it fails), or a compiled region's backward graph
+            cannot be read.
 
     Note:
         Reachability is structural: an edge in the graph counts even when the gradient along
         it is always zero (``p * 0``) or when a custom ``autograd.Function`` returns ``None``
         for that input. So the answer is an upper bound of where a backward can write, and a
-        parameter *not* in it provably gets no gradient from ``loss``. The one blind spot is
-        code that re-runs in backward and uses parameters that are not inputs of the node:
-        ``torch.utils.checkpoint`` with ``use_reentrant=True`` (warned about) and custom
-        Functions that close over parameters.
+        parameter *not* in it provably gets no gradient from ``loss``. A reentrant checkpoint
+        (``use_reentrant=True``) uses parameters its node does not show: its segment is
+        re-run once, as backward re-runs it (same RNG state, buffers restored afterwards),
+        and the walk goes through the new graph; as in backward, every output of the segment
+        sends gradient back (a zero one from an output the loss does not use). A
+        ``torch.compile`` region's node has an edge to every parameter it reads; only those
+        its backward graph sends gradient to from the outputs the loss uses count, which is
+        the eager answer. The one blind spot left is a custom ``autograd.Function`` that
+        closes over parameters.
 
     >>> import torch
     >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))

@@ -266,6 +266,7 @@ def _read_off(path: Path, text: str, modules: Sources) -> Iterator[str]:
 # certify; isolate.testing and isolate.figures are imported explicitly), and every integration.
 NOT_ON_IMPORT = {"lightning", "lightning_fabric", "pytorch_lightning", "torchvision"}
 NOT_ON_IMPORT |= {"matplotlib", "pytest", "safetensors", "isolate.figures", "isolate.testing"}
+NOT_ON_IMPORT |= {"transformers", "peft", "torch._dynamo"}
 
 
 def import_report(loaded: set[str], sources: Sources) -> list[str]:
@@ -292,7 +293,9 @@ def public_api(sources: Sources) -> dict[str, set[str] | None]:
     """What an integration may import, by module (``None``: any public name of it):
 
     * ``isolate``: the names of ``isolate.__all__``; ``isolate.spec``: ``isolate.spec.__all__``;
-    * the public names of the handle's module, ``isolate.spec.handle``;
+    * the public names of the modules an integration adapts: the handle
+      (``isolate.spec.handle``), how it is applied (``isolate.spec.isolation``), its loop
+      (``isolate.spec.cadence``) and its saved state (``isolate.spec.state``);
     * the public names of every public module of the toolkit (``isolate.errors`` among them)
       and of the ways in and out (interop, certificates).
 
@@ -304,6 +307,9 @@ def public_api(sources: Sources) -> dict[str, set[str] | None]:
         "isolate": all_of("isolate", sources),
         "isolate.spec": all_of("isolate.spec", sources),
         "isolate.spec.handle": None,
+        "isolate.spec.isolation": None,
+        "isolate.spec.cadence": None,
+        "isolate.spec.state": None,
     }
     for module in sources:
         if layer(module) in {"toolkit", "in-and-out"} and not any(
@@ -501,7 +507,7 @@ def test_a_framework_or_an_integration_loaded_by_import_isolate_is_found() -> No
         ("from isolate.spec.handle import IsolationHandle", True),  # the handle's
         ("from isolate.interop.leave import plain_checkpoint", True),
         ("from isolate.spec.plan import resolve", False),  # the spec's internals
-        ("import isolate.spec.state", False),
+        ("import isolate.spec.plan", False),
         ("from isolate.spec import plan", False),
         ("from isolate._autograd import walk", False),  # plumbing
         ("from isolate import _sharding", False),

@@ -28,7 +28,6 @@ from isolate.lightning.strategies import (
     rewrap,
 )
 from isolate.spec import IsolationSpec, Thaw, ThawKeys
-from isolate.spec._fields import string_list
 from isolate.spec.cadence import Cadence
 from isolate.spec.handle import IsolationHandle
 from isolate.spec.isolation import apply as apply_spec
@@ -162,12 +161,7 @@ class IsolationCallback(Callback):
             "frozen_in_optimizer": frozen_in_optimizer,
         }
         self.spec = _spec(spec, {k: v for k, v in given.items() if v != _DEFAULTS[k]})
-        self.cadence = Cadence(
-            verify_every_n_steps,
-            string_list(expected_unused, "expected_unused", _CALLER),
-            on_violation,
-        )
-        self.cadence.validate(_CALLER)
+        self.cadence = Cadence.checked(verify_every_n_steps, expected_unused, on_violation, _CALLER)
         if drift not in ("fingerprint", "copy"):
             raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
         self.log_grad_norms = bool(log_grad_norms)

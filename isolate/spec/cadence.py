@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from isolate.errors import SpecError
+from isolate.spec._fields import string_list
 from isolate.spec.ranks import world_size
 
 __all__ = ["CHECKS", "Cadence", "Due", "Loop"]
@@ -66,6 +67,24 @@ class Cadence:
     _losses_seen: bool = False
     _totals: list[torch.Tensor] = field(default_factory=list)
     _after_thaw: str | None = None
+
+    @classmethod
+    def checked(
+        cls, every: object, expected_unused: object, on_violation: object, caller: str
+    ) -> Cadence:
+        """A cadence from user input (``expected_unused``: selectors, a lone string is one),
+        or the error that names the option.
+
+        Raises:
+            SpecError: an option has the wrong type or value.
+        """
+        cadence = cls(
+            every,  # type: ignore[arg-type]
+            string_list(expected_unused, "expected_unused", caller),
+            on_violation,  # type: ignore[arg-type]
+        )
+        cadence.validate(caller)
+        return cadence
 
     def validate(self, caller: str) -> None:
         """Refuse a schedule that cannot work, naming the option."""

@@ -10,8 +10,8 @@ not) and custom Functions, in float32, float16 and bfloat16. On every one:
   custom Function that returns ``None`` for an input it used. The same program with that
   Function returning zeros instead must then agree exactly with brute force.
 * ``cut_off_parameters`` names exactly the trainable parameters no loss reaches (with or
-  without a trace), never one that gets a gradient; behind a reentrant checkpoint that
-  reaches the loss it names none and lists them as unseen.
+  without a trace), never one that gets a gradient, reentrant checkpoints included (the
+  walk re-runs their segments, as backward does).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def trainable_names(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 @given(spec=programs())
 def test_every_audit_agrees_with_brute_force(spec: dict[str, Any]) -> None:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's checkpoint warnings, isolate's blind spot
+        warnings.simplefilter("ignore")  # torch's checkpoint warnings
         for drop in (False, True):
             model, leaves = build(spec)
             with trace_forward(model) as trace:
@@ -210,42 +210,22 @@ def test_every_audit_agrees_with_brute_force(spec: dict[str, Any]) -> None:
             traced = cut_off_parameters(losses, model, trace=trace)
             truth = by_backward(losses, model)
             truth_names = {n for n, p in trainable_names(model) if id(p) in truth}
-            opaque = any(s["op"] == "checkpoint" and s["reentrant"] for s in spec["steps"]) and any(
-                _holds_reentrant(loss) for loss in losses
-            )
 
-            # Never under-report: whatever gets a gradient is named.
-            if not opaque:
-                assert truth_names <= reached, sorted(truth_names - reached)
-            if not drop and not opaque:
+            # Never under-report: whatever gets a gradient is named (reentrant checkpoints
+            # included: the walk re-runs them as backward does).
+            assert truth_names <= reached, sorted(truth_names - reached)
+            if not drop:
                 assert reached == truth_names  # zeros instead of None: exact agreement
-            # Cut-off never names a parameter that learns; without blind spots it names all
-            # that do not, with a reason each, trace or not.
+            # Cut-off never names a parameter that learns; it names all that do not, with a
+            # reason each, trace or not.
             for result in (cut, traced):
                 assert not set(result.parameters) & truth_names
                 assert all(result.parameters.values())
-                if opaque:
-                    assert not result.parameters
-                    assert set(result.unseen) == {n for n, _ in trainable_names(model)} - reached
-                else:
-                    assert result.unseen == ()
-                    expected = [n for n, _ in trainable_names(model) if n not in reached]
-                    assert list(result.parameters) == expected
-                    if not drop:
-                        assert set(expected) == {n for n, _ in trainable_names(model)} - truth_names
-
-
-def _holds_reentrant(loss: torch.Tensor) -> bool:
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node.name().endswith("CheckpointFunctionBackward"):
-            return True
-        stack.extend(child for child, _ in node.next_functions)
-    return False
+                assert result.unseen == ()
+                expected = [n for n, _ in trainable_names(model) if n not in reached]
+                assert list(result.parameters) == expected
+                if not drop:
+                    assert set(expected) == {n for n, _ in trainable_names(model)} - truth_names
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -1,0 +1,225 @@
+"""The audits under torch.compile give the eager answer, or refuse naming the region.
+
+A compiled region is one autograd node with an edge to every parameter it reads, even one it
+reads only through ``.detach()``; its backward graph says which of them get a gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from isolate.cutoff import assert_reached, cut_off_parameters
+from isolate.detaching import GradientScale
+from isolate.errors import BlindSpotError, CutOffError, GradientLeakError
+from isolate.gradients import gradient_invariance, gradient_report
+from isolate.reachability import assert_isolated, reachable_parameters
+
+GROUPS = ["embed", "trunk", "side", "head", "probe", "frozen"]
+
+
+class Net(nn.Module):
+    """embed -> trunk -> head, a side branch read through .detach(), a frozen layer, a probe that
+    reads the trunk's features (``leak``) or their detached copy; the segment is
+    checkpointed when ``reentrant`` is not None."""
+
+    def __init__(self, *, leak: bool, reentrant: bool | None = None, graph_break: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(5, 5)
+        self.trunk = nn.Linear(5, 5)
+        self.side = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 1)
+        self.probe = nn.Linear(5, 2)
+        self.frozen = nn.Linear(5, 5).requires_grad_(False)
+        self.leak, self.reentrant, self.graph_break = leak, reentrant, graph_break
+
+    def segment(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.trunk(self.frozen(x))) + self.side(x).detach()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(x)
+        if self.reentrant is None:
+            h = self.segment(x)
+        else:
+            h = checkpoint(self.segment, x, use_reentrant=self.reentrant)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        main = self.head(h).pow(2).mean()
+        probe = self.probe(h if self.leak else h.detach()).pow(2).mean()
+        return main, probe
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _answers(model: Net, main: torch.Tensor, probe: torch.Tensor) -> dict[str, object]:
+    """Everything the audits say about one forward."""
+    report = gradient_report({"main": main, "probe": probe}, model, groups=GROUPS)
+    norms = {(g, k): report[g].norms[k] for g in GROUPS for k in ("main", "probe")}
+    invariance = gradient_invariance(main, main + probe, model.trunk)
+    return {
+        "reach_main": reachable_parameters(main, model),
+        "reach_probe": reachable_parameters(probe, model),
+        "cut": list(cut_off_parameters(main, model).parameters),
+        "norms": norms,
+        "deltas": dict(invariance.deltas),
+    }
+
+
+def _close(compiled: dict[str, object], eager: dict[str, object]) -> None:
+    for key in ("reach_main", "reach_probe", "cut"):
+        assert compiled[key] == eager[key], key
+    for key in ("norms", "deltas"):
+        got, want = compiled[key], eager[key]
+        assert isinstance(got, dict) and isinstance(want, dict)
+        assert got.keys() == want.keys()
+        for k, value in want.items():
+            if value is None:
+                assert got[k] is None, (key, k)
+            else:
+                assert got[k] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, k)
+
+
+CASES = [
+    pytest.param(backend, fullgraph, reentrant, graph_break, leak, id=f"{name}-{kind}")
+    for backend, fullgraph, reentrant, graph_break, name in [
+        ("aot_eager", True, None, False, "aot_eager-fullgraph"),
+        ("aot_eager", False, None, True, "aot_eager-graph_break"),
+        ("aot_eager", True, True, False, "aot_eager-reentrant_checkpoint"),
+        ("aot_eager", True, False, False, "aot_eager-checkpoint"),
+        ("inductor", True, None, False, "inductor-fullgraph"),  # one C++ compile: seconds
+    ]
+    for leak, kind in [(False, "clean"), (True, "leak")]
+    if backend == "aot_eager" or leak
+]
+
+
+@pytest.mark.parametrize(("backend", "fullgraph", "reentrant", "graph_break", "leak"), CASES)
+def test_compiled_audits_give_the_eager_answer(
+    backend: str, fullgraph: bool, reentrant: bool | None, graph_break: bool, leak: bool
+) -> None:
+    x = torch.randn(4, 5)
+    model = Net(leak=leak, reentrant=reentrant, graph_break=graph_break)
+    eager = _answers(model, *model(x))
+    assert eager["cut"] == ["side.weight", "side.bias", "probe.weight", "probe.bias"]
+    assert ("trunk.weight" in eager["reach_probe"]) == leak  # type: ignore[operator]
+    compiled_model = torch.compile(model, backend=backend, fullgraph=fullgraph)
+    main, probe = compiled_model(x)
+    names = {type(main.grad_fn).__name__, type(probe.grad_fn).__name__}
+    assert names == {"CompiledFunctionBackward"} or graph_break
+    _close(_answers(model, main, probe), eager)
+    assert_isolated(main, model.side)
+    with pytest.raises(CutOffError, match=r"side\.weight, side\.bias"):
+        assert_reached(main, model, expected_unused="probe")
+    if leak:
+        with pytest.raises(GradientLeakError, match=r"(?s)trunk\.weight.*CompiledFunctionBackward"):
+            assert_isolated(probe, model.trunk, model=model)
+    else:
+        assert_isolated(probe, model.trunk, model=model)
+
+
+def test_an_output_reached_late_adds_its_parameters() -> None:
+    """The walk meets the region through its first output, expands it, and only later
+    reaches its second output (a longer route): what that output uses is added then."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.a(x), self.b(x)
+
+    model = TwoHeads()
+    x = torch.randn(2, 3)
+    for run in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
+        a, b = run(x)
+        loss = a.sum() + b.mul(2).exp().tanh().sum()
+        assert reachable_parameters(loss, model) == ("a.weight", "a.bias", "b.weight", "b.bias")
+        assert reachable_parameters(a.sum(), model) == ("a.weight", "a.bias")
+
+
+def test_recompiled_with_dynamic_shapes() -> None:
+    """A second batch size recompiles with a symbolic size, an argument of the region that is
+    not a tensor: the backward graph's outputs and the node's edges still line up."""
+    model = Net(leak=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    # A recompiled region compiles its backward at once, reusing the memory of what it saved;
+    # torch then refuses the kept graph that gradients need (see the next test).
+    with torch._functorch.config.patch(donated_buffer=False):
+        for rows in (2, 3, 5):
+            x = torch.randn(rows, 5)
+            _close(_answers(model, *compiled(x)), _answers(model, *model(x)))
+
+
+def test_a_backward_that_reuses_saved_memory_refuses_gradients_but_not_reach() -> None:
+    model = Net(leak=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    main, probe = compiled(torch.randn(2, 5))
+    (main + probe).backward()  # compiles the backward, donating saved buffers
+    main, probe = compiled(torch.randn(2, 5))
+    assert list(cut_off_parameters(main, model).parameters)[:2] == ["side.weight", "side.bias"]
+    for audit in (
+        lambda: gradient_report({"main": main}, model),
+        lambda: gradient_invariance(main, main + probe, model.trunk),
+    ):
+        with pytest.raises(
+            BlindSpotError, match=r"Net\.forward .*donated buffers.*donated_buffer = False"
+        ):
+            audit()
+    main.backward()  # the refusal ran nothing: the training step's backward still works
+
+
+def test_a_region_whose_backward_graph_is_gone_is_refused_by_name() -> None:
+    model = Net(leak=True)
+    main, probe = torch.compile(model, backend="aot_eager")(torch.randn(3, 5))
+    node = main.grad_fn
+    while node.name() != "CompiledFunctionBackward":
+        node = node.next_functions[0][0]
+    region = node._forward_cls
+    info = region._lazy_backward_info
+    region._lazy_backward_info = None
+    try:
+        for audit in (
+            lambda: reachable_parameters(main, model),
+            lambda: assert_isolated(probe, model.trunk),
+            lambda: cut_off_parameters(main, model),
+            lambda: assert_reached(main, model),
+        ):
+            with pytest.raises(
+                BlindSpotError, match=r"torch\.compile region, graph 0/0 get a grad"
+            ):
+                audit()
+    finally:
+        region._lazy_backward_info = info
+
+
+def test_gradient_scale_alpha_changes_under_fullgraph() -> None:
+    """alpha is checked when it is set, so every forward traces; a new alpha takes effect.
+    (Dynamo refused the check in the forward before any backend ran: aot_eager suffices.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), GradientScale(-1.0), nn.Linear(3, 1))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 3)
+    for alpha in [-1.0, 0.5, 0.0, 2.0]:
+        model[1].alpha = alpha
+        grads = []
+        for run in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            run(x).sum().backward()
+            grads.append(model[0].weight.grad)
+        eager, got = grads
+        if alpha == 0.0:
+            assert eager is None and got is None
+        else:
+            assert eager is not None and got is not None
+            torch.testing.assert_close(got, eager)
