@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from isolate.errors import SpecError
-from isolate.interop.schedules import to_yaml
+from isolate.interop.schedules import load_model, to_yaml
 
 __all__ = ["add_arguments", "from_finetuning_scheduler", "regex_to_glob", "run"]
 
@@ -38,45 +38,61 @@ _META = set("\\^$*+?{}[]()|")
 
 
 def regex_to_glob(pattern: str) -> str | None:
-    """The glob that matches what ``re.match(pattern, name)`` matches, for the simple regexes
-    schedules use (literals, ``\\.``, ``.*``, ``.+``, ``\\d+``, ``[0-9]+``); ``None`` for others.
+    """The glob that matches exactly the names ``re.match(pattern, name)`` matches, for the
+    simple regexes schedules use; ``None`` when no glob does.
 
-    ``.`` outside ``.*`` / ``.+`` is read as a literal dot (in a parameter name it is one).
+    Converted: literals, ``\\.`` (a dot), ``.`` (any one character: ``?``), ``.*``, ``.+``,
+    ``\\d`` and ``[0-9]`` (one digit), character classes, and a final ``$``. A glob's ``*``
+    also crosses dots and ``[0-9]`` is one digit, so a repeated digit (``\\d+``, ``[0-9]*``)
+    or any other repetition, alternation or group has no glob form: ``None``.
 
     >>> regex_to_glob(r"model\\.encoder\\.layer\\.1[01]\\..*")
     'model.encoder.layer.1[01].*'
     >>> regex_to_glob("model.classifier")
-    'model.classifier*'
-    >>> regex_to_glob(r"model.layer\\.\\d+\\.attention$")
-    'model.layer.*.attention'
+    'model?classifier*'
+    >>> regex_to_glob(r"model\\.layer\\.\\d\\.attention$")
+    'model.layer.[0-9].attention'
+    >>> regex_to_glob(r"model\\.layer\\.\\d+\\.output") is None  # '*' would cross dots
+    True
     >>> regex_to_glob("(a|b).weight") is None
     True
     """
     out, i = [], 0
     anchored = pattern.endswith("$") and not pattern.endswith("\\$")
     body = pattern[:-1] if anchored else pattern
+    body = body.removeprefix("^")  # re.match anchors at the start anyway
     while i < len(body):
         rest = body[i:]
-        if rest.startswith((".*", ".+", r"\d+", "[0-9]+")):
-            out.append("*")
-            i += {".": 2, "\\": 3, "[": 6}[rest[0]]
+        repeated = len(rest) > 1 and rest[1] in "*+?{"
+        if rest.startswith((".*", ".+")):
+            out.append("*" if rest[1] == "*" else "?*")
+            i += 2
         elif rest.startswith("\\") and len(rest) > 1 and rest[1] in ".-_/":
+            if len(rest) > 2 and rest[2] in "*+?{":
+                return None
             out.append(rest[1])
+            i += 2
+        elif rest.startswith("\\d"):
+            if len(rest) > 2 and rest[2] in "*+?{":
+                return None
+            out.append("[0-9]")
             i += 2
         elif rest[0] == "[":
             end = rest.find("]")
-            if end < 0 or any(c in _META - {"-"} for c in rest[1:end]):
-                return None
+            if end < 2 or rest[1] == "!" or any(c in _META - {"-"} for c in rest[1:end]):
+                return None  # a glob reads '[!' as a negation, a regex as '!'
             if end + 1 < len(rest) and rest[end + 1] in "*+?{":
                 return None
             out.append(rest[: end + 1])
             i += end + 1
-        elif rest[0] in _META:
+        elif rest[0] in _META or repeated:
             return None
         else:
-            out.append(rest[0])
+            out.append("?" if rest[0] == "." else rest[0])
             i += 1
     glob = "".join(out)
+    if glob.startswith("!") or "type:" in glob:
+        return None  # the selector grammar would read an exclusion or a type selector
     return glob if anchored or glob.endswith("*") else glob + "*"
 
 
@@ -107,7 +123,9 @@ def _selectors(params: object, phase: int, names: Sequence[str] | None) -> list[
             if glob is None:
                 raise SpecError(
                     f"{_CALLER}: phase {phase}: the regex {p!r} has no glob equivalent; pass "
-                    f"model= to resolve it to parameter names, or write it as a glob"
+                    f"model= (isolate migrate --model package.module:build_model) to "
+                    f"resolve it to parameter names as finetuning-scheduler does, or write it "
+                    f"as a glob (a glob's '*' also crosses dots, so no glob says \\d+)"
                 )
             out.append(glob)
     return out
@@ -225,6 +243,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--patience", type=int, default=3, help="checks without improvement (default 3)"
     )
+    parser.add_argument(
+        "--model",
+        help="module:callable that returns the model: regexes then resolve to its parameter "
+        "names exactly as finetuning-scheduler resolves them",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         fts = yaml.safe_load(f)
     spec = from_finetuning_scheduler(
         fts,
+        model=None if args.model is None else load_model(args.model),
         epoch_transitions_only=args.epoch_transitions_only,
         base_max_lr=args.base_max_lr,
         monitor=args.monitor,

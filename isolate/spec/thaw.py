@@ -75,7 +75,7 @@ def _check_monitor(thaw: Thaw, where: str) -> None:
             raise SpecError(f"{where}: {set_by_hand} apply to monitor=, which is not set")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Thaw:
     """One step of an unfreezing schedule.
 
@@ -205,6 +205,20 @@ class Thaw:
     def selectors(self) -> tuple[str, ...]:
         """``select`` as a tuple of selector strings."""
         return string_list(self.select, "select", f"Thaw({self.select!r})")
+
+    def _key(self) -> tuple[Any, ...]:
+        # A lone string is one selector: Thaw("trunk") and Thaw(["trunk"]) are one step.
+        return tuple(
+            self.selectors if f.name == "select" else getattr(self, f.name) for f in fields(self)
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Thaw):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def when(self) -> str:
