@@ -280,6 +280,7 @@ class OptimizerLink:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
         self.placements: dict[str, Placement] = {}
+        self.attached = False
         self._before: list[tuple[torch.optim.Optimizer, list[list[nn.Parameter]]]] = []
         self._added: dict[str, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}
 
@@ -294,14 +295,21 @@ class OptimizerLink:
         warn: bool = True,
     ) -> None:
         """Take the frozen parameters out (saying so when ``warn``); re-add the groups in
-        ``thawed`` (name -> where training was at its thaw), in that order."""
+        ``thawed`` (name -> where training was at its thaw), in that order.
+
+        Attaching the same optimizers again only adds the schedulers not seen yet (checked
+        first); other optimizers are refused, since the first attach already moved parameters.
+
+        Raises:
+            SpecError: as :func:`place`, a scheduler that cannot take a thawed group, or
+                optimizers other than those attached already.
+        """
+        if self.attached:
+            self._reattach(plan, optimizers, schedulers)
+            return
         held, placements = place(plan, optimizers, set(thawed), self.caller)
-        for g in plan.groups:  # refuse before anything changes, not at the thaw
-            where = f"{self.caller}: thaw group {g.name!r}"
-            for scheduler in lr_schedulers.of(
-                optimizers[placements[g.name].optimizer_idx], schedulers
-            ):
-                lr_schedulers.check(scheduler, placements[g.name].source, where)
+        self._check_schedulers(plan, optimizers, placements, schedulers)
+        self.attached = True
         self._before = [(o, [list(g["params"]) for g in o.param_groups]) for o in optimizers]
         self.optimizers, self.schedulers = list(optimizers), list(schedulers)
         self.placements = placements
@@ -312,6 +320,35 @@ class OptimizerLink:
             self._warn_removed(plan, exposed)
         for name, at in thawed.items():
             self.join(plan.group(name), None, None, at)
+
+    def _check_schedulers(
+        self,
+        plan: Plan,
+        optimizers: Sequence[torch.optim.Optimizer],
+        placements: Mapping[str, Placement],
+        schedulers: Sequence[Any],
+    ) -> None:
+        for g in plan.groups:  # refuse before anything changes, not at the thaw
+            where = f"{self.caller}: thaw group {g.name!r}"
+            for scheduler in lr_schedulers.of(
+                optimizers[placements[g.name].optimizer_idx], schedulers
+            ):
+                lr_schedulers.check(scheduler, placements[g.name].source, where)
+
+    def _reattach(
+        self, plan: Plan, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]
+    ) -> None:
+        if [id(o) for o in optimizers] != [id(o) for o in self.optimizers]:
+            raise SpecError(
+                f"{self.caller}.attach(): already attached to {len(self.optimizers)} "
+                f"optimizer(s) {[type(o).__name__ for o in self.optimizers]}, and given "
+                f"{[type(o).__name__ for o in optimizers]}; the first attach took the frozen "
+                f"parameters out and planned the thawed groups. Attach once, with every "
+                f"optimizer and its schedulers, or restore() and apply the spec again"
+            )
+        new = [s for s in schedulers if all(s is not t for t in self.schedulers)]
+        self._check_schedulers(plan, self.optimizers, self.placements, new)
+        self.schedulers += new
 
     def _warn_removed(self, plan: Plan, exposed: Sequence[Slot]) -> None:
         by_group: dict[tuple[int, int], list[str]] = {}
@@ -402,3 +439,4 @@ class OptimizerLink:
                 group["params"] = params
         self._before.clear()
         self._added.clear()
+        self.attached = False

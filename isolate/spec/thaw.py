@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, Literal, TypedDict
@@ -10,7 +9,7 @@ from typing import Any, Literal, TypedDict
 from isolate.errors import SpecError
 from isolate.spec._fields import is_int, number, string_list, unknown_keys
 
-__all__ = ["BN", "Thaw", "ThawKeys"]
+__all__ = ["BN", "Thaw", "ThawKeys", "check_lr"]
 
 BN = Literal["eval", "train"]
 Shape = Literal["linear", "cosine", "exponential"]
@@ -57,6 +56,21 @@ def _check_ramp(thaw: Thaw, where: str) -> None:
         raise SpecError(
             f"{where}: align=True follows the lr of the group the parameters came from, so "
             f"lr={thaw.lr} would be overridden; drop lr (start lower with warmup_ratio)"
+        )
+
+
+def check_lr(lr: object, where: str) -> None:
+    """Refuse an lr that is not a finite number > 0 (``None``: the source group's settings).
+
+    >>> check_lr(float("nan"), "doc")
+    Traceback (most recent call last):
+    ...
+    isolate.errors.SpecError: doc: lr must be a finite number > 0 or None (the settings of ...
+    """
+    if lr is not None and (not number(lr) or lr <= 0):  # type: ignore[operator]
+        raise SpecError(
+            f"{where}: lr must be a finite number > 0 or None (the settings of the group "
+            f"the parameters came from), got {lr!r}"
         )
 
 
@@ -178,16 +192,7 @@ class Thaw:
                 raise SpecError(f"{where}: {key} must be an integer >= 0, got {at!r}")
         _check_ramp(self, where)
         _check_monitor(self, where)
-        if self.lr is not None and (
-            isinstance(self.lr, bool)
-            or not isinstance(self.lr, (int, float))
-            or not math.isfinite(self.lr)
-            or self.lr <= 0
-        ):
-            raise SpecError(
-                f"{where}: lr must be a finite number > 0 or None (the settings of the group "
-                f"the parameters came from), got {self.lr!r}"
-            )
+        check_lr(self.lr, where)
         if self.optimizer_idx is not None and (
             not is_int(self.optimizer_idx) or self.optimizer_idx < 0
         ):

@@ -76,6 +76,9 @@ class Thaws:
         due = [str(t.name) for t in [*by_epoch, *by_step]]
         return due + [n for n in self.phases.due(list(self.applied)) if n not in due]
 
+    def thawed_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for g in self.applied for n, p in self.plan.group(g).params.items()}
+
     def frozen_parameters(self) -> dict[str, nn.Parameter]:
         thawed = {id(p) for n in self.applied for p in self.plan.group(n).params.values()}
         return {n: p for n, p in self.plan.frozen.items() if id(p) not in thawed}
