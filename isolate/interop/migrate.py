@@ -10,10 +10,19 @@ when the monitored metric stops improving (FTS's ``FTSEarlyStopping``) or at
 
 That maps onto a spec one to one: ``freeze: ["*", "!<phase 0 names>"...]`` and one
 :class:`~isolate.spec.Thaw` per later phase with ``lr``, ``monitor`` / ``patience`` /
-``min_delta`` / ``mode`` and ``epoch`` as the latest. :func:`from_finetuning_scheduler` does it;
-``isolate migrate schedule.yaml`` prints the spec as YAML. Keys that rebuild the
-optimizer or scheduler mid-run (``new_optimizer``, ``new_lr_scheduler``) have no counterpart
-and are refused, naming the phase.
+``min_delta`` / ``mode`` and ``epoch`` as the latest, ``carry_best`` (FTS's one early-stopping
+callback keeps its best score across phases and resets only its wait count) and
+``after_previous=1`` (FTS moves on at most one phase per epoch start).
+:func:`from_finetuning_scheduler` does it; ``isolate migrate schedule.yaml`` prints
+the spec as YAML (``--model module:factory`` resolves regexes on the model). The tests run
+schedules through FTS itself and through the converted spec and compare what thaws when, with
+which lr. Keys that rebuild the optimizer or scheduler mid-run (``new_optimizer``,
+``new_lr_scheduler``) have no counterpart and are refused, naming the phase.
+
+Without a model, a regex becomes the glob that matches exactly what it matches, or is refused
+(:func:`regex_to_glob`); a string without regex syntax is read as a parameter or module name
+(FTS tries an exact parameter name first, and otherwise matches it as a regex from the start
+of names: ``layer.1`` there also takes ``layer.10``; pass the model for that reading).
 """
 
 from __future__ import annotations
@@ -212,6 +221,8 @@ def from_finetuning_scheduler(
                 step["min_delta"] = min_delta
             if mode != "min":
                 step["mode"] = mode
+            if depth > 1:  # one FTSEarlyStopping for every phase: its best score carries
+                step["carry_best"] = True
         elif latest is None or latest < 0:
             raise SpecError(
                 f"{_CALLER}: epoch_transitions_only, but phase {depth - 1} has no "
@@ -219,6 +230,8 @@ def from_finetuning_scheduler(
             )
         if latest is not None and latest >= 0:
             step["epoch"] = int(latest)
+        if depth > 1:  # FTS moves on at most one phase per epoch start
+            step["after_previous"] = 1
         thaw.append(step)
     return {"freeze": freeze, "bn": bn, "thaw": thaw}
 

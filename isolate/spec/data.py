@@ -67,6 +67,7 @@ class SpecData:
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
                 raise SpecError(f"{_CALLER}: {kind} lists {twice} twice; list each branch once")
+        _check_chain(steps)
         set_(self, "protect", self._checked_protect(self.protect))
         if self.frozen_in_optimizer not in ("remove", "error"):
             raise SpecError(
@@ -184,3 +185,16 @@ def _under(prefix: str, selectors: Sequence[str]) -> list[str]:
     if out and all(s.startswith("!") for s in out):
         out.insert(0, prefix)  # exclusions alone mean the whole (inner) model
     return out
+
+
+def _check_chain(steps: Sequence[Thaw]) -> None:
+    """``carry_best`` needs a monitor thaw before it to carry from."""
+    for i, step in enumerate(steps):
+        if step.carry_best and not any(
+            t.monitor == step.monitor and t.mode == step.mode for t in steps[:i]
+        ):
+            raise SpecError(
+                f"{_CALLER}: thaw[{i}] ({step.name!r}) has carry_best=True, but no thaw before "
+                f"it monitors {step.monitor!r} in mode {step.mode!r}, so there is no best to "
+                f"carry; drop carry_best"
+            )

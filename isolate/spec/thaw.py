@@ -23,6 +23,8 @@ _EXTRA = (
     "patience",
     "min_delta",
     "mode",
+    "carry_best",
+    "after_previous",
 )
 
 
@@ -83,8 +85,16 @@ def _check_monitor(thaw: Thaw, where: str) -> None:
         raise SpecError(f"{where}: min_delta must be a number >= 0, got {thaw.min_delta!r}")
     if thaw.mode not in ("min", "max"):
         raise SpecError(f"{where}: mode must be 'min' or 'max', got {thaw.mode!r}")
+    if not isinstance(thaw.carry_best, bool):
+        raise SpecError(f"{where}: carry_best must be true or false, got {thaw.carry_best!r}")
+    if not is_int(thaw.after_previous) or thaw.after_previous < 0:
+        raise SpecError(
+            f"{where}: after_previous must be an integer >= 0 (epochs), got {thaw.after_previous!r}"
+        )
     if thaw.monitor is None:
-        set_by_hand = [k for k in ("patience", "min_delta", "mode") if k in thaw.extras()]
+        set_by_hand = [
+            k for k in ("patience", "min_delta", "mode", "carry_best") if k in thaw.extras()
+        ]
         if set_by_hand:
             raise SpecError(f"{where}: {set_by_hand} apply to monitor=, which is not set")
 
@@ -132,6 +142,13 @@ class Thaw:
         patience: checks without improvement before the thaw.
         min_delta: the least change that counts as an improvement.
         mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
+        carry_best: start from the best value the monitor thaw before it (in schedule order,
+            on the same metric and mode) reached, instead of afresh; only the count of checks
+            without improvement starts at 0 (finetuning-scheduler's ``FTSEarlyStopping``
+            keeps its best score across phases).
+        after_previous: thaw at the earliest this many epochs after the thaw listed before
+            it (which must have thawed first): ``1`` moves on at most one phase per epoch
+            start, as finetuning-scheduler does. ``0`` (the default): no such constraint.
         optimizer_idx: which optimizer receives them; by default the one that held them, or
             the only one.
         bn: BatchNorm layers in the group once thawed: ``"train"`` follow the model's mode
@@ -173,6 +190,8 @@ class Thaw:
     patience: int = 3
     min_delta: float = 0.0
     mode: Literal["min", "max"] = "min"
+    carry_best: bool = False
+    after_previous: int = 0
 
     def __post_init__(self) -> None:
         where = f"Thaw({self.select!r})"
@@ -293,3 +312,5 @@ class ThawKeys(TypedDict, total=False):
     patience: int
     min_delta: float
     mode: Literal["min", "max"]
+    carry_best: bool
+    after_previous: int
