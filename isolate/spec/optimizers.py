@@ -17,7 +17,7 @@ from torch import nn
 import isolate.spec.lr_schedulers as lr_schedulers
 from isolate._text import shown
 from isolate.errors import IsolationTypeError, SpecError
-from isolate.exposure import unwrap_optimizer, zero_grad_risks
+from isolate.exposure import steps_without_grad, unwrap_optimizer, zero_grad_risks
 from isolate.spec.clock import Shaper
 from isolate.spec.plan import Group, Plan
 
@@ -76,7 +76,7 @@ def as_optimizers(obj: object, caller: str) -> list[torch.optim.Optimizer]:
 def risk(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> str:
     """Why a zero gradient would move ``param`` in ``group`` (the rule of
     :func:`isolate.exposure.zero_grad_risks`), as text."""
-    reasons = zero_grad_risks(optimizer.param_groups[group], optimizer.state.get(param, {}))
+    reasons = zero_grad_risks(optimizer, optimizer.param_groups[group], param)
     return "; ".join(reasons) if reasons else "no weight decay or optimizer state moves it now"
 
 
@@ -133,6 +133,17 @@ def place(
     for s in held:
         origin.setdefault(id(s.param), set()).add((s.opt, s.group))
     placements = {g.name: _target(g, optimizers, origin, caller) for g in plan.groups}
+    for oi, opt in enumerate(optimizers):
+        frozen_in = [ours[id(s.param)] for s in held if s.opt == oi]
+        thawed_in = [n for n, pl in placements.items() if pl.optimizer_idx == oi]
+        if steps_without_grad(opt) and (frozen_in or thawed_in):
+            raise SpecError(
+                f"{caller}: optimizer {oi} ({type(opt).__name__}) steps every parameter it was "
+                f"built with along one flat search direction, in one param group: frozen "
+                f"parameters cannot be taken out of it ({shown(frozen_in)}) nor thawed groups "
+                f"added ({thawed_in}). Build it after apply from the trainable parameters only, "
+                f"and leave thaws out of a spec it trains"
+            )
     return held, placements
 
 
