@@ -9,8 +9,7 @@ could move them anyway.
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,15 +41,46 @@ def _to_coo(t: torch.Tensor) -> torch.Tensor:
 
 
 def _widen(t: torch.Tensor) -> torch.Tensor:
+    if not (t.is_floating_point() or t.is_complex()):
+        return t.to(torch.int64)  # float64 would round 2**61 - 1 and 2**61 - 2 alike
     return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
+def _delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """|new - old| per element in float64, zero exactly where the two are equal (NaN in both
+    places counts as equal). Integers are subtracted as integers."""
+    a, b = _widen(old), _widen(new)
+    if a.dtype == b.dtype == torch.int64:
+        d = b - a  # wraps modulo 2**64 when |b - a| >= 2**63
+        size = d.to(torch.float64).abs()
+        return torch.where((d < 0) != (b < a), 2.0**64 - size, size)
+    if a.dtype != b.dtype:
+        a, b = a.to(torch.complex128), b.to(torch.complex128)
+    diff = (b - a).abs()
+    both_nan = a.isnan() & b.isnan()
+    return diff.masked_fill(both_nan, 0.0) if bool(both_nan.any()) else diff
+
+
+def _sparse_delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The stored entries of ``new - old`` for sparse tensors, as float64 magnitudes (nonzero
+    wherever the two differ)."""
+    a, b = _widen(_to_coo(old)), _widen(_to_coo(new))
+    if a.dtype != b.dtype:
+        a, b = a.to(torch.complex128), b.to(torch.complex128)
+    values = (b - a).coalesce().values()
+    return values.to(torch.complex128 if values.is_complex() else torch.float64).abs()
 
 
 def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
     """Max |new - old| over elements; NaN in both places counts as equal, ``inf`` on shape change.
 
-    Integer and bool tensors are compared in float64, so ``num_batches_tracked`` steps by 1.0.
+    Integer and bool tensors are subtracted as integers (exactly: ``num_batches_tracked``
+    steps by 1.0, and a change of 1 in ``2**61`` is a change) and reported as a float.
     Sparse tensors (any layout) compare their stored entries; an entry present on one side
     only counts against zero.
+
+    >>> max_abs_diff(torch.tensor([2**61 - 1]), torch.tensor([2**61 - 2]))
+    1.0
     """
     old, new = local_tensor(old), local_tensor(new)
     if old.shape != new.shape:
@@ -59,21 +89,14 @@ def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
         a, b = _to_coo(old), _to_coo(new.to(old.device))
         if a.indices().shape == b.indices().shape and torch.equal(a.indices(), b.indices()):
             return max_abs_diff(a.values(), b.values())
-        delta = (_widen(b) - _widen(a)).coalesce().values()
-        return float(delta.abs().max()) if delta.numel() else 0.0
+        delta = _sparse_delta(a, b)
+        return float(delta.max()) if delta.numel() else 0.0
     if old.numel() == 0:
         return 0.0
     new = new.to(old.device)
     if torch.equal(old, new):
         return 0.0
-    a, b = _widen(old), _widen(new)
-    if a.dtype != b.dtype:
-        a, b = a.to(torch.complex128), b.to(torch.complex128)
-    diff = (b - a).abs()
-    both_nan = a.isnan() & b.isnan()
-    if bool(both_nan.any()):
-        diff = diff.masked_fill(both_nan, 0.0)
-    return float(diff.max())
+    return float(_delta(old, new).max())
 
 
 @dataclass(frozen=True)
@@ -85,10 +108,13 @@ class _Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     layout: torch.layout
-    # The object snapshotted, to notice when a name points elsewhere later: a weak reference
-    # for modules (the snapshot must not keep a replaced tensor alive), the tensor itself for
-    # mappings (it is what gets checked).
-    live: Callable[[], torch.Tensor | None]
+    # The object snapshotted, to notice when a name points elsewhere later: its id for
+    # modules (a weak reference would make torch refuse to swap the tensor in
+    # load_state_dict or module.to() under swap_module_params_on_conversion, and a strong
+    # one would keep a replaced tensor alive), the tensor itself for mappings (it is what
+    # gets checked).
+    ident: int
+    held: torch.Tensor | None
 
 
 class Snapshot:
@@ -150,12 +176,12 @@ class Snapshot:
         """
         if self._module is not None:
             return snapshot(self._module, names=self.names, copy=self.copies, device=self._device)
-        live = {e.name: t for e in self._entries if (t := e.live()) is not None}
-        return snapshot(live, copy=self.copies, device=self._device)
+        held = {e.name: e.held for e in self._entries if e.held is not None}
+        return snapshot(held, copy=self.copies, device=self._device)
 
     def _current(self) -> dict[str, torch.Tensor]:
         if self._module is None:
-            return {e.name: t for e in self._entries if (t := e.live()) is not None}
+            return {e.name: e.held for e in self._entries if e.held is not None}
         names = Names.of(self._module, aliases=True)  # FSDP2: the shards, not temporaries
         return {**names.params, **names.buffers}
 
@@ -179,7 +205,7 @@ class Snapshot:
                 delta = math.inf
             else:
                 delta = 0.0 if prints[id(now)] == entry.print else math.nan
-            if not delta <= atol or now is not entry.live():
+            if not delta <= atol or id(now) != entry.ident:
                 out.append((entry, now, delta))
         return out
 
@@ -215,8 +241,15 @@ class Snapshot:
 
         An optimizer or a checkpoint still holds the old object, so a replaced parameter
         quietly stops training (or stops being saved). Empty for mapping snapshots.
+
+        Note:
+            Objects are told apart by ``id()``: the snapshot keeps no reference, weak or
+            strong, to a module's tensors (a weak one would make torch refuse to swap them
+            in ``load_state_dict`` under ``swap_module_params_on_conversion``). A new object
+            that reuses the memory of a freed one is therefore not reported here; its
+            values are still compared.
         """
-        return tuple(e.name for e, now, _ in self._compare(math.inf) if now is not e.live())
+        return tuple(e.name for e, now, _ in self._compare(math.inf) if id(now) != e.ident)
 
     def _check_atol(self, caller: str, atol: float) -> None:
         if not isinstance(atol, (int, float)) or not atol >= 0:
@@ -269,7 +302,7 @@ class Snapshot:
             if entry.kind == "parameter" and now is not None:
                 flag = f", requires_grad={now.requires_grad}"
             replaced = (
-                ", replaced by a new object" if now is not None and now is not entry.live() else ""
+                ", replaced by a new object" if now is not None and id(now) != entry.ident else ""
             )
             lines.append(f"  {entry.name:<{width}}  ({entry.kind}{flag}{replaced}) {detail}")
         hints = []
@@ -297,14 +330,8 @@ class Snapshot:
 def _elementwise_moved(old: torch.Tensor, new: torch.Tensor, atol: float) -> int:
     old, new = local_tensor(old), local_tensor(new).to(old.device)
     if old.layout != torch.strided or new.layout != torch.strided:
-        a, b = _to_coo(old), _to_coo(new)
-        moved = (_widen(b) - _widen(a)).coalesce().values().abs() > atol
-        return int(moved.sum())
-    a, b = _widen(old), _widen(new)
-    if a.dtype != b.dtype:
-        a, b = a.to(torch.complex128), b.to(torch.complex128)
-    same_nan = a.isnan() & b.isnan()
-    return int(((~((b - a).abs() <= atol)) & ~same_nan).sum())
+        return int((_sparse_delta(old, new) > atol).sum())
+    return int((~(_delta(old, new) <= atol)).sum())
 
 
 def snapshot(
@@ -395,15 +422,8 @@ def snapshot(
             saved[id(t)] = (data.clone() if device is None else data.to(device, copy=True), None)
         kept, print_ = saved[id(t)]
         local = local_tensor(t)
-        live: Callable[[], torch.Tensor | None]
-        if strong:
-
-            def live() -> torch.Tensor:
-                return t
-
-        else:
-            live = weakref.ref(t)
-        return _Entry(name, kind, kept, print_, tuple(local.shape), local.dtype, local.layout, live)
+        shape, held = tuple(local.shape), t if strong else None
+        return _Entry(name, kind, kept, print_, shape, local.dtype, local.layout, id(t), held)
 
     if isinstance(target, nn.Module):
         walked = Names.of(target, aliases=True)  # by state_dict key; FSDP2: this rank's shards

@@ -17,18 +17,79 @@ from torch import nn
 
 from isolate.errors import IsolationTypeError
 
-__all__ = ["Exposure", "optimizer_exposure", "unwrap_optimizer", "zero_grad_risks"]
+__all__ = [
+    "Exposure",
+    "optimizer_exposure",
+    "steps_without_grad",
+    "unwrap_optimizer",
+    "zero_grad_risks",
+]
 
 _MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
 
 
-def zero_grad_risks(group: Mapping[str, Any], state: Mapping[str, Any]) -> tuple[str, ...]:
-    """Why ``step()`` moves a parameter of ``group`` whose gradient is zero, given its
-    optimizer ``state``; empty when a zero gradient leaves it alone.
+def _nonzero(t: torch.Tensor) -> bool:
+    """Whether any stored value of ``t`` is non-zero (of a sparse tensor: its values)."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce().values()
+    elif t.layout != torch.strided:
+        t = t.values()
+    return bool(t.ne(0).any())
 
-    >>> zero_grad_risks({"lr": 0.1, "weight_decay": 0.01}, {})
+
+def steps_without_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` moves parameters whose ``.grad`` is ``None``: LBFGS steps every
+    parameter it holds along one flat search direction; the other built-in optimizers skip
+    them.
+
+    >>> steps_without_grad(torch.optim.LBFGS([torch.zeros(1, requires_grad=True)]))
+    True
+    """
+    return isinstance(optimizer, torch.optim.LBFGS)
+
+
+def _search_history(
+    optimizer: torch.optim.Optimizer, group: Mapping[str, Any], param: torch.Tensor
+) -> tuple[str, ...]:
+    """LBFGS keeps its search direction and history over the flat view of its parameters,
+    under the first one: non-zero entries for ``param`` move it on every step."""
+    params = group["params"]
+    state = optimizer.state.get(params[0], {}) if params else {}
+    offset = 0
+    for p in params:
+        if p is param:
+            break
+        offset += p.numel()
+    part = slice(offset, offset + param.numel())
+    kept = [state.get("d"), state.get("prev_flat_grad"), *state.get("old_dirs", [])]
+    kept += state.get("old_stps", [])
+    if any(
+        isinstance(t, torch.Tensor) and t.numel() >= part.stop and _nonzero(t[part]) for t in kept
+    ):
+        steps = len(state.get("old_dirs", []))
+        return (
+            f"LBFGS's search direction and history ({steps} steps) hold it, so every step "
+            f"moves it, whatever its .grad (None included)",
+        )
+    return ()
+
+
+def zero_grad_risks(
+    optimizer: torch.optim.Optimizer, group: Mapping[str, Any], param: torch.Tensor
+) -> tuple[str, ...]:
+    """Why ``optimizer.step()`` moves ``param`` (of param group ``group``) when its gradient
+    is zero; empty when a zero gradient leaves it alone.
+
+    The rule: weight decay (and ASGD's ``lambd``) shrinks it; a non-zero momentum buffer or
+    Adam-style first moment keeps moving it (``SparseAdam`` only at the rows a sparse
+    gradient stores); LBFGS moves it along a search direction that holds it, even when its
+    ``.grad`` is ``None``. Second moments only scale a gradient.
+
+    >>> p = torch.zeros(2, requires_grad=True)
+    >>> zero_grad_risks(torch.optim.SGD([p], lr=0.1, weight_decay=0.01), {"weight_decay": 0.01}, p)
     ('weight_decay=0.01 shrinks it on every step',)
-    >>> zero_grad_risks({"lr": 0.1, "momentum": 0.9}, {})
+    >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    >>> zero_grad_risks(opt, opt.param_groups[0], p)
     ()
     """
     reasons = []
@@ -37,10 +98,17 @@ def zero_grad_risks(group: Mapping[str, Any], state: Mapping[str, Any]) -> tuple
         reasons.append(f"weight_decay={decay} shrinks it on every step")
     if group.get("lambd"):  # ASGD decays every parameter it steps, weight decay or not
         reasons.append(f"lambd={group['lambd']} (ASGD) shrinks it on every step")
+    state = optimizer.state.get(param, {})
+    rows = not isinstance(optimizer, torch.optim.SparseAdam) or param.grad is None
+    if not rows:  # SparseAdam steps only the rows its gradient stores
+        grad = param.grad
+        rows = grad is not None and (grad.layout == torch.strided or grad._nnz() > 0)
     for key in _MOMENTUM_STATE:
         value = state.get(key)
-        if isinstance(value, torch.Tensor) and bool(value.ne(0).any()):
+        if rows and isinstance(value, torch.Tensor) and _nonzero(value):
             reasons.append(f"optimizer state {key!r} is non-zero and keeps moving it")
+    if steps_without_grad(optimizer):
+        reasons.extend(_search_history(optimizer, group, param))
     return tuple(reasons)
 
 
@@ -74,7 +142,9 @@ class Exposure:
         index: its position in that group's ``"params"``.
         grad: ``"none"``, ``"zero"`` or ``"nonzero"``: what its ``.grad`` holds now.
         reasons: why a zero ``.grad`` would still move it (weight decay, momentum or Adam
-            state); empty when a zero grad would leave it alone.
+            state, an LBFGS search direction); empty when a zero grad would leave it alone.
+        steps_without_grad: whether the optimizer steps it even while its ``.grad`` is
+            ``None`` (LBFGS).
     """
 
     name: str
@@ -82,6 +152,7 @@ class Exposure:
     index: int
     grad: Literal["none", "zero", "nonzero"]
     reasons: tuple[str, ...]
+    steps_without_grad: bool = False
 
     @property
     def at_risk(self) -> bool:
@@ -91,7 +162,8 @@ class Exposure:
     @property
     def moves_on_step(self) -> bool:
         """Whether the next ``step()`` moves it, given its ``.grad`` now."""
-        return self.grad == "nonzero" or (self.grad == "zero" and self.at_risk)
+        stepped = self.grad == "zero" or self.steps_without_grad
+        return self.grad == "nonzero" or (stepped and self.at_risk)
 
     def __str__(self) -> str:
         why = "; ".join(self.reasons) if self.reasons else "harmless while .grad is None or zero"
@@ -116,10 +188,13 @@ def optimizer_exposure(
         IsolationTypeError: ``optimizer`` is not an optimizer, or ``model`` not a module.
 
     Note:
-        Every built-in optimizer skips a parameter whose ``.grad`` is ``None``; the danger is a
-        zero-filled ``.grad`` (``zero_grad(set_to_none=False)``, or a grad left from before
-        the freeze), which weight decay, a momentum buffer or Adam's first moment turn into a
-        real step.
+        Every built-in optimizer but LBFGS skips a parameter whose ``.grad`` is ``None``; the
+        danger is a zero-filled ``.grad`` (``zero_grad(set_to_none=False)``, or a grad left
+        from before the freeze), which weight decay, a momentum buffer or Adam's first moment
+        turn into a real step. LBFGS moves every parameter it holds along its search
+        direction, which keeps entries for a parameter frozen after it stepped: take frozen
+        parameters out of it (or build it anew). The tests check the prediction against a
+        real step for every optimizer in ``torch.optim``, sparse and fused variants included.
 
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
@@ -140,15 +215,16 @@ def optimizer_exposure(
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), name)
     found: list[Exposure] = []
+    blind = steps_without_grad(optimizer)
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             if p.requires_grad:
                 continue
-            reasons = zero_grad_risks(group, optimizer.state.get(p, {}))
+            reasons = zero_grad_risks(optimizer, group, p)
             if p.grad is None:
                 grad: Literal["none", "zero", "nonzero"] = "none"
             else:
-                grad = "nonzero" if bool(p.grad.ne(0).any()) else "zero"
+                grad = "nonzero" if _nonzero(p.grad) else "zero"
             name = names.get(id(p), f"param_groups[{g}][{i}]")
-            found.append(Exposure(name, g, i, grad, tuple(reasons)))
+            found.append(Exposure(name, g, i, grad, reasons, blind))
     return tuple(found)

@@ -299,11 +299,17 @@ def freeze(
         handle.exposures = tuple(exposed)
         if exposed:
             groups = sorted({e.group for e in exposed})
+            moving = [e for e in exposed if e.moves_on_step]
+            when = (
+                f"the next step moves {len(moving)} of them"
+                if moving
+                else "their .grad is None now, so this optimizer skips them, but a zero-filled "
+                ".grad would move them"
+            )
             warnings.warn(
                 f"{caller}: optimizer param group(s) {groups} still hold {len(exposed)} frozen "
-                f"parameter(s), e.g. {exposed[0]}. Their .grad is None now, so no built-in "
-                f"optimizer moves them, but a zero-filled .grad would; take them out of the "
-                f"optimizer or set weight_decay/momentum to 0 for them",
+                f"parameter(s), e.g. {(moving or exposed)[0]}; {when}. Take them out of the "
+                f"optimizer (or build it anew from the trainable parameters)",
                 IsolationWarning,
                 stacklevel=3,
             )

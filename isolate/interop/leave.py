@@ -28,6 +28,7 @@ from torch import nn
 
 from isolate._walker import Names
 from isolate.errors import CheckpointMismatchError
+from isolate.exposure import unwrap_optimizer
 
 __all__ = ["CALLBACK_KEY", "plain_checkpoint", "plain_optimizer_state"]
 
@@ -138,10 +139,29 @@ def _per_group(value: Any, n: int, origins: Sequence[int]) -> Any:
     return value
 
 
+def _is_opt(value: object) -> bool:
+    return isinstance(getattr(value, "optimizer", value), torch.optim.Optimizer)
+
+
+def _optimizers_of(value: object) -> list[torch.optim.Optimizer]:
+    """The optimizers in what ``configure_optimizers()`` may return, in Lightning's order."""
+    if value is None:
+        return []
+    if isinstance(value, Mapping):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        if len(value) == 2 and isinstance(value[0], list) and all(map(_is_opt, value[0])):
+            value = value[0]  # ([optimizers], [schedulers])
+        items = [v.get("optimizer") if isinstance(v, Mapping) else v for v in value]
+    else:
+        items = [value]
+    return [unwrap_optimizer(item, "plain_checkpoint()") for item in items]
+
+
 def plain_checkpoint(
     checkpoint: Mapping[str, Any],
     model: nn.Module,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    optimizers: object,
     *,
     key: str = CALLBACK_KEY,
 ) -> dict[str, Any]:
@@ -150,9 +170,10 @@ def plain_checkpoint(
     Args:
         checkpoint: the loaded checkpoint (``torch.load(path, weights_only=True)``).
         model: the plain model (the LightningModule) the run without isolate trains.
-        optimizers: the optimizers that run builds (for Lightning: what
-            ``model.configure_optimizers()`` returns, built once every parameter that run
-            trains requires grad), in order.
+        optimizers: the optimizers that run builds, in order: an optimizer, a list of them,
+            or whatever ``model.configure_optimizers()`` returns (a dict with
+            ``"optimizer"``, a list of such dicts, or a pair of lists of optimizers and
+            schedulers), built once every parameter that run trains requires grad.
         key: the callback's ``state_key``.
 
     Returns:
@@ -163,6 +184,7 @@ def plain_checkpoint(
         CheckpointMismatchError: the checkpoint holds no callback state with a layout (it was
             written without the callback, or by an isolate from before layouts were saved),
             or holds another number of optimizers.
+        IsolationTypeError: ``optimizers`` holds no optimizer where one is expected.
     """
     entry = (checkpoint.get("callbacks") or {}).get(key)
     if not isinstance(entry, Mapping) or not isinstance(entry.get("layout"), list):
@@ -171,7 +193,7 @@ def plain_checkpoint(
             f"written without the callback (load it as it is), or by an older isolate (load "
             f"only the weights: model.load_state_dict(checkpoint['state_dict']))"
         )
-    opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    opts = _optimizers_of(optimizers)
     states = list(checkpoint.get("optimizer_states", []))
     if len(states) != len(opts) or len(entry["layout"]) != len(opts):
         raise CheckpointMismatchError(

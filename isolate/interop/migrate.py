@@ -10,10 +10,19 @@ when the monitored metric stops improving (FTS's ``FTSEarlyStopping``) or at
 
 That maps onto a spec one to one: ``freeze: ["*", "!<phase 0 names>"...]`` and one
 :class:`~isolate.spec.Thaw` per later phase with ``lr``, ``monitor`` / ``patience`` /
-``min_delta`` / ``mode`` and ``epoch`` as the latest. :func:`from_finetuning_scheduler` does it;
-``isolate migrate schedule.yaml`` prints the spec as YAML. Keys that rebuild the
-optimizer or scheduler mid-run (``new_optimizer``, ``new_lr_scheduler``) have no counterpart
-and are refused, naming the phase.
+``min_delta`` / ``mode`` and ``epoch`` as the latest, ``carry_best`` (FTS's one early-stopping
+callback keeps its best score across phases and resets only its wait count) and
+``after_previous=1`` (FTS moves on at most one phase per epoch start).
+:func:`from_finetuning_scheduler` does it; ``isolate migrate schedule.yaml`` prints
+the spec as YAML (``--model module:factory`` resolves regexes on the model). The tests run
+schedules through FTS itself and through the converted spec and compare what thaws when, with
+which lr. Keys that rebuild the optimizer or scheduler mid-run (``new_optimizer``,
+``new_lr_scheduler``) have no counterpart and are refused, naming the phase.
+
+Without a model, a regex becomes the glob that matches exactly what it matches, or is refused
+(:func:`regex_to_glob`); a string without regex syntax is read as a parameter or module name
+(FTS tries an exact parameter name first, and otherwise matches it as a regex from the start
+of names: ``layer.1`` there also takes ``layer.10``; pass the model for that reading).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any
 from torch import nn
 
 from isolate.errors import SpecError
-from isolate.interop.schedules import to_yaml
+from isolate.interop.schedules import load_model, to_yaml
 
 __all__ = ["add_arguments", "from_finetuning_scheduler", "regex_to_glob", "run"]
 
@@ -38,45 +47,61 @@ _META = set("\\^$*+?{}[]()|")
 
 
 def regex_to_glob(pattern: str) -> str | None:
-    """The glob that matches what ``re.match(pattern, name)`` matches, for the simple regexes
-    schedules use (literals, ``\\.``, ``.*``, ``.+``, ``\\d+``, ``[0-9]+``); ``None`` for others.
+    """The glob that matches exactly the names ``re.match(pattern, name)`` matches, for the
+    simple regexes schedules use; ``None`` when no glob does.
 
-    ``.`` outside ``.*`` / ``.+`` is read as a literal dot (in a parameter name it is one).
+    Converted: literals, ``\\.`` (a dot), ``.`` (any one character: ``?``), ``.*``, ``.+``,
+    ``\\d`` and ``[0-9]`` (one digit), character classes, and a final ``$``. A glob's ``*``
+    also crosses dots and ``[0-9]`` is one digit, so a repeated digit (``\\d+``, ``[0-9]*``)
+    or any other repetition, alternation or group has no glob form: ``None``.
 
     >>> regex_to_glob(r"model\\.encoder\\.layer\\.1[01]\\..*")
     'model.encoder.layer.1[01].*'
     >>> regex_to_glob("model.classifier")
-    'model.classifier*'
-    >>> regex_to_glob(r"model.layer\\.\\d+\\.attention$")
-    'model.layer.*.attention'
+    'model?classifier*'
+    >>> regex_to_glob(r"model\\.layer\\.\\d\\.attention$")
+    'model.layer.[0-9].attention'
+    >>> regex_to_glob(r"model\\.layer\\.\\d+\\.output") is None  # '*' would cross dots
+    True
     >>> regex_to_glob("(a|b).weight") is None
     True
     """
     out, i = [], 0
     anchored = pattern.endswith("$") and not pattern.endswith("\\$")
     body = pattern[:-1] if anchored else pattern
+    body = body.removeprefix("^")  # re.match anchors at the start anyway
     while i < len(body):
         rest = body[i:]
-        if rest.startswith((".*", ".+", r"\d+", "[0-9]+")):
-            out.append("*")
-            i += {".": 2, "\\": 3, "[": 6}[rest[0]]
+        repeated = len(rest) > 1 and rest[1] in "*+?{"
+        if rest.startswith((".*", ".+")):
+            out.append("*" if rest[1] == "*" else "?*")
+            i += 2
         elif rest.startswith("\\") and len(rest) > 1 and rest[1] in ".-_/":
+            if len(rest) > 2 and rest[2] in "*+?{":
+                return None
             out.append(rest[1])
+            i += 2
+        elif rest.startswith("\\d"):
+            if len(rest) > 2 and rest[2] in "*+?{":
+                return None
+            out.append("[0-9]")
             i += 2
         elif rest[0] == "[":
             end = rest.find("]")
-            if end < 0 or any(c in _META - {"-"} for c in rest[1:end]):
-                return None
+            if end < 2 or rest[1] == "!" or any(c in _META - {"-"} for c in rest[1:end]):
+                return None  # a glob reads '[!' as a negation, a regex as '!'
             if end + 1 < len(rest) and rest[end + 1] in "*+?{":
                 return None
             out.append(rest[: end + 1])
             i += end + 1
-        elif rest[0] in _META:
+        elif rest[0] in _META or repeated:
             return None
         else:
-            out.append(rest[0])
+            out.append("?" if rest[0] == "." else rest[0])
             i += 1
     glob = "".join(out)
+    if glob.startswith("!") or "type:" in glob:
+        return None  # the selector grammar would read an exclusion or a type selector
     return glob if anchored or glob.endswith("*") else glob + "*"
 
 
@@ -107,7 +132,9 @@ def _selectors(params: object, phase: int, names: Sequence[str] | None) -> list[
             if glob is None:
                 raise SpecError(
                     f"{_CALLER}: phase {phase}: the regex {p!r} has no glob equivalent; pass "
-                    f"model= to resolve it to parameter names, or write it as a glob"
+                    f"model= (isolate migrate --model package.module:build_model) to "
+                    f"resolve it to parameter names as finetuning-scheduler does, or write it "
+                    f"as a glob (a glob's '*' also crosses dots, so no glob says \\d+)"
                 )
             out.append(glob)
     return out
@@ -194,6 +221,8 @@ def from_finetuning_scheduler(
                 step["min_delta"] = min_delta
             if mode != "min":
                 step["mode"] = mode
+            if depth > 1:  # one FTSEarlyStopping for every phase: its best score carries
+                step["carry_best"] = True
         elif latest is None or latest < 0:
             raise SpecError(
                 f"{_CALLER}: epoch_transitions_only, but phase {depth - 1} has no "
@@ -201,6 +230,8 @@ def from_finetuning_scheduler(
             )
         if latest is not None and latest >= 0:
             step["epoch"] = int(latest)
+        if depth > 1:  # FTS moves on at most one phase per epoch start
+            step["after_previous"] = 1
         thaw.append(step)
     return {"freeze": freeze, "bn": bn, "thaw": thaw}
 
@@ -225,6 +256,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--patience", type=int, default=3, help="checks without improvement (default 3)"
     )
+    parser.add_argument(
+        "--model",
+        help="module:callable that returns the model: regexes then resolve to its parameter "
+        "names exactly as finetuning-scheduler resolves them",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         fts = yaml.safe_load(f)
     spec = from_finetuning_scheduler(
         fts,
+        model=None if args.model is None else load_model(args.model),
         epoch_transitions_only=args.epoch_transitions_only,
         base_max_lr=args.base_max_lr,
         monitor=args.monitor,

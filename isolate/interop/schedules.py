@@ -18,7 +18,7 @@ from torch import nn
 
 from isolate.errors import SpecError
 
-__all__ = ["add_arguments", "default_schedule", "run", "to_yaml"]
+__all__ = ["add_arguments", "default_schedule", "load_model", "run", "to_yaml"]
 
 
 def _blocks(model: nn.Module) -> tuple[str, list[str]]:
@@ -125,6 +125,22 @@ DESCRIPTION = (
 )
 
 
+def load_model(factory: str) -> nn.Module:
+    """The model a command line names as ``package.module:callable`` (or a module object).
+
+    Raises:
+        SpecError: ``factory`` is not ``module:callable``, or gives no ``nn.Module``.
+    """
+    module_name, _, attribute = factory.partition(":")
+    if not attribute:
+        raise SpecError(f"expected module:callable, got {factory!r}")
+    made = getattr(importlib.import_module(module_name), attribute)
+    model = made if isinstance(made, nn.Module) else made()
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{factory} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``isolate schedule``."""
     parser.add_argument("factory", help="module:callable that returns the model (no arguments)")
@@ -137,11 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``isolate schedule package.module:build_model``: print a default schedule."""
-    module_name, _, attribute = args.factory.partition(":")
-    if not attribute:
-        raise SpecError(f"expected module:callable, got {args.factory!r}")
-    factory = getattr(importlib.import_module(module_name), attribute)
-    model = factory() if not isinstance(factory, nn.Module) else factory
+    model = load_model(args.factory)
     schedule = default_schedule(
         model, monitor=None if args.by_epoch else args.monitor, patience=args.patience
     )

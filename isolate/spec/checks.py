@@ -171,7 +171,22 @@ def check_optimizers(
     optimizers: Sequence[torch.optim.Optimizer],
     when: str,
     caller: str,
+    thawed: Mapping[str, nn.Parameter] | None = None,
 ) -> list[IsolationError]:
+    """Frozen parameters back in an optimizer that can move them, and thawed parameters in
+    none of the attached optimizers (they get gradients and never move)."""
+    held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    idle = [n for n, p in (thawed or {}).items() if id(p) not in held]
+    found: list[IsolationError] = []
+    if idle:
+        found.append(
+            SpecError(
+                f"{caller}: {when}, thawed parameters are in none of the {len(optimizers)} "
+                f"attached optimizers, so they get gradients but never move: {shown(idle)}. "
+                f"Attach the optimizer that trains them (handle.attach(optimizer, "
+                f"schedulers)) before training, and do not rebuild it after a thaw"
+            )
+        )
     ids = {id(p): n for n, p in frozen.items()}
     exposed: list[str] = []
     for oi, opt in enumerate(optimizers):
@@ -185,13 +200,14 @@ def check_optimizers(
                     f"{ids[id(p)]} (optimizer {oi}, group {e.group}: {'; '.join(e.reasons)})"
                 )
     if not exposed:
-        return []
+        return found
     return [
+        *found,
         DriftError(
             f"{caller}: {when}, frozen parameters are back in an optimizer that can move them: "
             f"{shown(exposed)}; something added them after the spec was applied. Thaw them "
             f"with a Thaw step instead"
-        )
+        ),
     ]
 
 
@@ -323,6 +339,7 @@ def run_checks(
     checks: Collection[str],
     when: str,
     caller: str,
+    thawed: Mapping[str, nn.Parameter] | None = None,
 ) -> tuple[Verification, list[IsolationError], Snapshot | None]:
     """Run the ``checks`` asked for; return what was checked, the violations found, and the
     snapshot to check drift against next time."""
@@ -351,7 +368,7 @@ def run_checks(
     if "flags" in checks:
         found += check_flags(frozen, when, caller)
     if "optimizers" in checks:
-        found += check_optimizers(frozen, optimizers, when, caller)
+        found += check_optimizers(frozen, optimizers, when, caller, thawed)
     ranks = world_size() if "ranks" in checks else 1
     if ranks > 1:  # every rank also learns what the others found: one verdict for all
         found += check_ranks(Names.of(plan.model).params, when, caller, found)

@@ -141,6 +141,11 @@ class Plateau:
         self.best = math.inf if mode == "min" else -math.inf
         self.wait = 0
 
+    @property
+    def fresh(self) -> bool:
+        """Whether no check has been taken yet."""
+        return self.wait == 0 and self.best == (math.inf if self.mode == "min" else -math.inf)
+
     def update(self, value: float) -> bool:
         """Take one check's value; whether the metric has now stopped improving."""
         improved = math.isfinite(value) and (  # EarlyStopping's comparison, term for term
@@ -163,7 +168,8 @@ class Plateau:
 
 class Phases:
     """The ``monitor`` thaws of a schedule: each watches its metric once every thaw listed
-    before it has thawed, and becomes due when the metric stops improving."""
+    before it has thawed, and becomes due when the metric stops improving. A ``carry_best``
+    thaw starts from the best of the monitor thaw before it on the same metric and mode."""
 
     def __init__(self, thaws: Sequence[Thaw]) -> None:
         self.order = [str(t.name) for t in thaws]
@@ -172,6 +178,11 @@ class Phases:
             for t in thaws
             if t.monitor is not None
         }
+        self.carry: dict[str, str] = {}  # thaw -> the monitor thaw whose best it starts from
+        for i, t in enumerate(thaws):
+            if t.carry_best:
+                same = [u for u in thaws[:i] if u.monitor == t.monitor and u.mode == t.mode]
+                self.carry[str(t.name)] = str(same[-1].name)
         self.fired: list[str] = []
 
     def watching(self, thawed: Sequence[str]) -> str | None:
@@ -202,6 +213,9 @@ class Phases:
                 f"(self.log({plateau.monitor!r}, ...)) or fix monitor="
             )
         value = metrics[plateau.monitor]
+        source = self.carry.get(name)
+        if source is not None and plateau.fresh:
+            plateau.best = self.plateaus[source].best
         if plateau.update(float(value.item() if isinstance(value, torch.Tensor) else value)):
             self.fired.append(name)
             return [name]

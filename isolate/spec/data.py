@@ -67,6 +67,7 @@ class SpecData:
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
                 raise SpecError(f"{_CALLER}: {kind} lists {twice} twice; list each branch once")
+        _check_chain(steps)
         set_(self, "protect", self._checked_protect(self.protect))
         if self.frozen_in_optimizer not in ("remove", "error"):
             raise SpecError(
@@ -128,19 +129,28 @@ class SpecData:
         example a LightningModule's ``self.net``): every selector and branch name gets
         ``prefix + "."`` in front; thaw group names stay.
 
+        A ``type:`` selector looks only under ``prefix`` (``"net/type:_BatchNorm"``), an
+        exclusion excludes under it, and selectors that are all exclusions (which start from
+        the whole model) start from ``prefix`` instead.
+
         >>> from isolate.spec import IsolationSpec
         >>> IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1)]).prefixed("net")
         IsolationSpec(freeze=['net.trunk'], thaw=[trunk.3 at epoch 1])
+        >>> IsolationSpec(freeze=["trunk", "!type:_BatchNorm"]).prefixed("net").freeze
+        ('net.trunk', '!net/type:_BatchNorm')
+        >>> IsolationSpec(freeze=["!head"]).prefixed("net").freeze
+        ('net', '!net.head')
         """
         if not isinstance(prefix, str) or not prefix or prefix.endswith("."):
             raise SpecError(f"{_CALLER}.prefixed(): prefix must be a module name, got {prefix!r}")
         data = self.to_dict()
-        for key in ("freeze", "detach", "clone"):
+        for key in ("detach", "clone"):
             data[key] = [f"{prefix}.{s}" for s in data[key]]
+        data["freeze"] = _under(prefix, data["freeze"])
         for step in data["thaw"]:
-            step["select"] = [f"{prefix}.{s}" for s in step["select"]]
+            step["select"] = _under(prefix, step["select"])
         if data["protect"] is not None:
-            data["protect"] = {k: [f"{prefix}.{s}" for s in v] for k, v in data["protect"].items()}
+            data["protect"] = {k: _under(prefix, v) for k, v in data["protect"].items()}
         return type(self).from_dict(data)
 
     def __repr__(self) -> str:
@@ -159,3 +169,32 @@ class SpecData:
         if self.frozen_in_optimizer != "remove":
             parts.append(f"frozen_in_optimizer={self.frozen_in_optimizer!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _under(prefix: str, selectors: Sequence[str]) -> list[str]:
+    """``selectors`` for the model that holds theirs under ``prefix``."""
+
+    def one(selector: str) -> str:
+        if selector.startswith("!"):
+            return "!" + one(selector[1:])
+        if selector.startswith("type:"):
+            return f"{prefix}/{selector}"
+        return f"{prefix}.{selector}"
+
+    out = [one(s) for s in selectors]
+    if out and all(s.startswith("!") for s in out):
+        out.insert(0, prefix)  # exclusions alone mean the whole (inner) model
+    return out
+
+
+def _check_chain(steps: Sequence[Thaw]) -> None:
+    """``carry_best`` needs a monitor thaw before it to carry from."""
+    for i, step in enumerate(steps):
+        if step.carry_best and not any(
+            t.monitor == step.monitor and t.mode == step.mode for t in steps[:i]
+        ):
+            raise SpecError(
+                f"{_CALLER}: thaw[{i}] ({step.name!r}) has carry_best=True, but no thaw before "
+                f"it monitors {step.monitor!r} in mode {step.mode!r}, so there is no best to "
+                f"carry; drop carry_best"
+            )

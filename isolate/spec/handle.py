@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from isolate._sharding import settle
 from isolate.drift import Snapshot
@@ -31,6 +32,7 @@ from isolate.spec.checks import (
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
+from isolate.spec.thaw import check_lr
 from isolate.spec.thawing import Thaws
 
 __all__ = ["IsolationHandle", "warn_user"]
@@ -91,6 +93,8 @@ class IsolationHandle:
         self._watch: Snapshot | None = None
         self._active = False
         self.loop = Loop(self, Cadence())
+        self._stepped = False  # whether step() ever ran: the schedule is being driven
+        self._guards: dict[int, RemovableHandle] = {}  # id(optimizer) -> its step pre-hook
 
     def start(self) -> None:
         """Freeze, hold and wrap as the plan says (undone by :meth:`restore`)."""
@@ -121,6 +125,9 @@ class IsolationHandle:
         """Undo everything: thaws, wrappers, freezing, holds, and (with ``optimizers=True``)
         the optimizer surgery. Flags and modes go back to exactly what they were."""
         settle(self.plan.model)
+        for guard in self._guards.values():
+            guard.remove()
+        self._guards.clear()
         self._thaws.restore()
         self._branches.unwrap()
         if self._freeze is not None and self._freeze.active:
@@ -148,9 +155,15 @@ class IsolationHandle:
         unless ``built_before_apply``: the optimizers were built before the spec froze
         anything (as under Lightning's ``ModelParallelStrategy``) and cannot help holding them.
 
+        Attach once, with every optimizer and its schedulers (``apply(model, optimizer)``
+        attaches). Attaching the same optimizers again only adds new schedulers; other
+        optimizers are refused. While thaws are pending, an ``optimizer.step()`` before the
+        first :meth:`step` raises: the schedule would never run.
+
         Raises:
-            SpecError: as :meth:`IsolationSpec.apply`, or held BatchNorm layers were replaced
-                since (``sync_batchnorm``), which would drop the eval-mode hold.
+            SpecError: as :meth:`IsolationSpec.apply`, held BatchNorm layers were replaced
+                since (``sync_batchnorm``), which would drop the eval-mode hold, or other
+                optimizers are attached already.
         """
         self._require_active("attach")
         opts = as_optimizers(optimizers, f"{self.caller}.attach()")
@@ -163,7 +176,23 @@ class IsolationHandle:
             self.frozen_parameters(),
             warn=not built_before_apply,
         )
+        for opt in self._link.optimizers:
+            if id(opt) not in self._guards:
+                self._guards[id(opt)] = opt.register_step_pre_hook(self._guard)
         self._watch = self._new_watch()
+
+    def _guard(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Refuse an optimizer step while the schedule has never been driven by :meth:`step`."""
+        if self._stepped:
+            return
+        pending = [str(t.name) for t in self.plan.spec.thaw if t.name not in self._thaws.applied]
+        if pending:
+            raise SpecError(
+                f"{self.caller}: {type(optimizer).__name__}.step() with thaw groups "
+                f"{pending} pending, but handle.step() was never called, so they would never "
+                f"thaw; call handle.step(epoch=..., step=...) at the start of every training "
+                f"step, before the forward"
+            )
 
     def thaw(
         self, name: str, optimizer: object = None, lr: float | None = None
@@ -178,13 +207,24 @@ class IsolationHandle:
             lr: the group's learning rate, overriding the ``Thaw``'s.
 
         Returns:
-            The new param group, or ``None`` when no optimizer is attached.
+            The new param group.
 
         Raises:
-            SpecError: no such group, or it is thawed already (a thaw is applied once; to
-                thaw more parameters, give them a thaw step of their own).
+            SpecError: no such group, it is thawed already (a thaw is applied once; to thaw
+                more parameters, give them a thaw step of their own), ``lr`` is not a finite
+                number > 0, or no optimizer is attached (the parameters would get gradients
+                and never move). Nothing has changed then.
         """
         self._require_active("thaw")
+        where = f"{self.caller}.thaw({name!r})"
+        check_lr(lr, where)
+        self.plan.group(name)  # an unknown name is named before anything else
+        if not self._link.optimizers:
+            raise SpecError(
+                f"{where}: no optimizer is attached, so the thawed parameters would require "
+                f"grad and get gradients but never move; call handle.attach(optimizer, "
+                f"schedulers) once after apply (or apply(model, optimizer)), before training"
+            )
         group = self._thaws.thaw(name, optimizer, lr, self.position)
         self._watch = self._new_watch() if self._watch is not None else None
         return group
@@ -203,6 +243,7 @@ class IsolationHandle:
             The names of the groups thawed by this call, in schedule order.
         """
         self._require_active("step")
+        self._stepped = True
         self.position.update(epoch=int(epoch), global_step=int(step))
         self._branches.reset(record=record)
         due = self.due(epoch=epoch, step=step)
@@ -277,6 +318,7 @@ class IsolationHandle:
             checks,
             when,
             self.caller,
+            self._thaws.thawed_parameters(),
         )
         if found and on_violation == "raise":
             raise found[0]
@@ -358,8 +400,13 @@ class IsolationHandle:
         """
         self._require_active("load_state_dict")
         entries = check_state(self.plan.record(), state, self.plan.group_names, self.caller)
+        phases = self._thaws.phases.state_dict()
         self._thaws.phases.load_state_dict(state.get("phases"), self.caller)
-        self._thaws.load(entries, list(state["frozen"]))
+        try:
+            self._thaws.load(entries, list(state["frozen"]))
+        except BaseException:
+            self._thaws.phases.load_state_dict(phases, self.caller)
+            raise
         if self._watch is not None:
             self._watch = self._new_watch()
 

@@ -17,7 +17,7 @@ from torch import nn
 import isolate.spec.lr_schedulers as lr_schedulers
 from isolate._text import shown
 from isolate.errors import IsolationTypeError, SpecError
-from isolate.exposure import unwrap_optimizer, zero_grad_risks
+from isolate.exposure import steps_without_grad, unwrap_optimizer, zero_grad_risks
 from isolate.spec.clock import Shaper
 from isolate.spec.plan import Group, Plan
 
@@ -76,7 +76,7 @@ def as_optimizers(obj: object, caller: str) -> list[torch.optim.Optimizer]:
 def risk(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> str:
     """Why a zero gradient would move ``param`` in ``group`` (the rule of
     :func:`isolate.exposure.zero_grad_risks`), as text."""
-    reasons = zero_grad_risks(optimizer.param_groups[group], optimizer.state.get(param, {}))
+    reasons = zero_grad_risks(optimizer, optimizer.param_groups[group], param)
     return "; ".join(reasons) if reasons else "no weight decay or optimizer state moves it now"
 
 
@@ -133,6 +133,17 @@ def place(
     for s in held:
         origin.setdefault(id(s.param), set()).add((s.opt, s.group))
     placements = {g.name: _target(g, optimizers, origin, caller) for g in plan.groups}
+    for oi, opt in enumerate(optimizers):
+        frozen_in = [ours[id(s.param)] for s in held if s.opt == oi]
+        thawed_in = [n for n, pl in placements.items() if pl.optimizer_idx == oi]
+        if steps_without_grad(opt) and (frozen_in or thawed_in):
+            raise SpecError(
+                f"{caller}: optimizer {oi} ({type(opt).__name__}) steps every parameter it was "
+                f"built with along one flat search direction, in one param group: frozen "
+                f"parameters cannot be taken out of it ({shown(frozen_in)}) nor thawed groups "
+                f"added ({thawed_in}). Build it after apply from the trainable parameters only, "
+                f"and leave thaws out of a spec it trains"
+            )
     return held, placements
 
 
@@ -280,6 +291,7 @@ class OptimizerLink:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
         self.placements: dict[str, Placement] = {}
+        self.attached = False
         self._before: list[tuple[torch.optim.Optimizer, list[list[nn.Parameter]]]] = []
         self._added: dict[str, tuple[torch.optim.Optimizer, dict[str, Any]]] = {}
 
@@ -294,14 +306,21 @@ class OptimizerLink:
         warn: bool = True,
     ) -> None:
         """Take the frozen parameters out (saying so when ``warn``); re-add the groups in
-        ``thawed`` (name -> where training was at its thaw), in that order."""
+        ``thawed`` (name -> where training was at its thaw), in that order.
+
+        Attaching the same optimizers again only adds the schedulers not seen yet (checked
+        first); other optimizers are refused, since the first attach already moved parameters.
+
+        Raises:
+            SpecError: as :func:`place`, a scheduler that cannot take a thawed group, or
+                optimizers other than those attached already.
+        """
+        if self.attached:
+            self._reattach(plan, optimizers, schedulers)
+            return
         held, placements = place(plan, optimizers, set(thawed), self.caller)
-        for g in plan.groups:  # refuse before anything changes, not at the thaw
-            where = f"{self.caller}: thaw group {g.name!r}"
-            for scheduler in lr_schedulers.of(
-                optimizers[placements[g.name].optimizer_idx], schedulers
-            ):
-                lr_schedulers.check(scheduler, placements[g.name].source, where)
+        self._check_schedulers(plan, optimizers, placements, schedulers)
+        self.attached = True
         self._before = [(o, [list(g["params"]) for g in o.param_groups]) for o in optimizers]
         self.optimizers, self.schedulers = list(optimizers), list(schedulers)
         self.placements = placements
@@ -312,6 +331,35 @@ class OptimizerLink:
             self._warn_removed(plan, exposed)
         for name, at in thawed.items():
             self.join(plan.group(name), None, None, at)
+
+    def _check_schedulers(
+        self,
+        plan: Plan,
+        optimizers: Sequence[torch.optim.Optimizer],
+        placements: Mapping[str, Placement],
+        schedulers: Sequence[Any],
+    ) -> None:
+        for g in plan.groups:  # refuse before anything changes, not at the thaw
+            where = f"{self.caller}: thaw group {g.name!r}"
+            for scheduler in lr_schedulers.of(
+                optimizers[placements[g.name].optimizer_idx], schedulers
+            ):
+                lr_schedulers.check(scheduler, placements[g.name].source, where)
+
+    def _reattach(
+        self, plan: Plan, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]
+    ) -> None:
+        if [id(o) for o in optimizers] != [id(o) for o in self.optimizers]:
+            raise SpecError(
+                f"{self.caller}.attach(): already attached to {len(self.optimizers)} "
+                f"optimizer(s) {[type(o).__name__ for o in self.optimizers]}, and given "
+                f"{[type(o).__name__ for o in optimizers]}; the first attach took the frozen "
+                f"parameters out and planned the thawed groups. Attach once, with every "
+                f"optimizer and its schedulers, or restore() and apply the spec again"
+            )
+        new = [s for s in schedulers if all(s is not t for t in self.schedulers)]
+        self._check_schedulers(plan, self.optimizers, self.placements, new)
+        self.schedulers += new
 
     def _warn_removed(self, plan: Plan, exposed: Sequence[Slot]) -> None:
         by_group: dict[tuple[int, int], list[str]] = {}
@@ -402,3 +450,4 @@ class OptimizerLink:
                 group["params"] = params
         self._before.clear()
         self._added.clear()
+        self.attached = False

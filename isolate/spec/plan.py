@@ -217,12 +217,11 @@ def _groups(
         twice = [n for n, p in params.items() if id(p) in owner]
         if twice:
             first = owner[id(params[twice[0]])]
-            earlier = next(t for t in spec.thaw if t.name == first)
-            fix = [*thaw.selectors, *("!" + x for x in earlier.selectors if x[0] != "!")]
+            earlier = next(g for g in groups if g.name == first)
             raise SpecError(
                 f"{caller}: thaw groups {first!r} and {name!r} both select {shown(twice)}; a "
-                f"parameter can be thawed once: take them out of one group with an "
-                f"exclusion, e.g. select: {fix} for {name!r}"
+                f"parameter can be thawed once: "
+                + _overlap_fix(model, earlier, Group(thaw, params, {}), frozen_ids)
             )
         integral = [n for n, p in params.items() if not is_float(p)]
         if integral:
@@ -234,6 +233,29 @@ def _groups(
             owner[id(p)] = name
         groups.append(Group(thaw, params, norms))
     return groups
+
+
+def _overlap_fix(model: nn.Module, a: Group, b: Group, frozen_ids: set[int]) -> str:
+    """The exclusion that separates two overlapping thaw groups, checked on the model: the
+    wider group without the narrower one's selectors (or without the shared parameters)."""
+    a_ids, b_ids = ({id(p) for p in g.params.values()} for g in (a, b))
+    candidates: list[tuple[Group, list[str], set[int]]] = []
+    for wide, narrow, other in ((a, b, b_ids), (b, a, a_ids)):
+        if not any(s.startswith("!") for s in narrow.thaw.selectors):
+            exclude = [f"!{s}" for s in narrow.thaw.selectors]
+            candidates.append((wide, [*wide.thaw.selectors, *exclude], other))
+        shared = [n for n, p in wide.params.items() if id(p) in other]
+        candidates.append((wide, [*wide.thaw.selectors, *(f"!{n}" for n in shared)], other))
+    for group, selectors, other in candidates:
+        try:
+            picked = select(model, tuple(selectors), "overlap").params.values()
+        except SelectorError:
+            continue
+        ids = {id(p) for p in picked} & frozen_ids
+        if ids and not ids & other:
+            fix = f"select: {selectors} for {group.name!r}"
+            return f"take them out of one group with an exclusion, {fix}"
+    return f"they select the same parameters; drop {b.name!r} or {a.name!r}"
 
 
 def _check_thaw_selectors(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, Literal, TypedDict
@@ -10,7 +9,7 @@ from typing import Any, Literal, TypedDict
 from isolate.errors import SpecError
 from isolate.spec._fields import is_int, number, string_list, unknown_keys
 
-__all__ = ["BN", "Thaw", "ThawKeys"]
+__all__ = ["BN", "Thaw", "ThawKeys", "check_lr"]
 
 BN = Literal["eval", "train"]
 Shape = Literal["linear", "cosine", "exponential"]
@@ -24,6 +23,8 @@ _EXTRA = (
     "patience",
     "min_delta",
     "mode",
+    "carry_best",
+    "after_previous",
 )
 
 
@@ -60,6 +61,21 @@ def _check_ramp(thaw: Thaw, where: str) -> None:
         )
 
 
+def check_lr(lr: object, where: str) -> None:
+    """Refuse an lr that is not a finite number > 0 (``None``: the source group's settings).
+
+    >>> check_lr(float("nan"), "doc")
+    Traceback (most recent call last):
+    ...
+    isolate.errors.SpecError: doc: lr must be a finite number > 0 or None (the settings of ...
+    """
+    if lr is not None and (not number(lr) or lr <= 0):  # type: ignore[operator]
+        raise SpecError(
+            f"{where}: lr must be a finite number > 0 or None (the settings of the group "
+            f"the parameters came from), got {lr!r}"
+        )
+
+
 def _check_monitor(thaw: Thaw, where: str) -> None:
     if thaw.monitor is not None and (not isinstance(thaw.monitor, str) or not thaw.monitor):
         raise SpecError(f"{where}: monitor must be a metric name, got {thaw.monitor!r}")
@@ -69,13 +85,21 @@ def _check_monitor(thaw: Thaw, where: str) -> None:
         raise SpecError(f"{where}: min_delta must be a number >= 0, got {thaw.min_delta!r}")
     if thaw.mode not in ("min", "max"):
         raise SpecError(f"{where}: mode must be 'min' or 'max', got {thaw.mode!r}")
+    if not isinstance(thaw.carry_best, bool):
+        raise SpecError(f"{where}: carry_best must be true or false, got {thaw.carry_best!r}")
+    if not is_int(thaw.after_previous) or thaw.after_previous < 0:
+        raise SpecError(
+            f"{where}: after_previous must be an integer >= 0 (epochs), got {thaw.after_previous!r}"
+        )
     if thaw.monitor is None:
-        set_by_hand = [k for k in ("patience", "min_delta", "mode") if k in thaw.extras()]
+        set_by_hand = [
+            k for k in ("patience", "min_delta", "mode", "carry_best") if k in thaw.extras()
+        ]
         if set_by_hand:
             raise SpecError(f"{where}: {set_by_hand} apply to monitor=, which is not set")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Thaw:
     """One step of an unfreezing schedule.
 
@@ -118,6 +142,13 @@ class Thaw:
         patience: checks without improvement before the thaw.
         min_delta: the least change that counts as an improvement.
         mode: ``"min"`` (a loss) or ``"max"`` (an accuracy).
+        carry_best: start from the best value the monitor thaw before it (in schedule order,
+            on the same metric and mode) reached, instead of afresh; only the count of checks
+            without improvement starts at 0 (finetuning-scheduler's ``FTSEarlyStopping``
+            keeps its best score across phases).
+        after_previous: thaw at the earliest this many epochs after the thaw listed before
+            it (which must have thawed first): ``1`` moves on at most one phase per epoch
+            start, as finetuning-scheduler does. ``0`` (the default): no such constraint.
         optimizer_idx: which optimizer receives them; by default the one that held them, or
             the only one.
         bn: BatchNorm layers in the group once thawed: ``"train"`` follow the model's mode
@@ -159,6 +190,8 @@ class Thaw:
     patience: int = 3
     min_delta: float = 0.0
     mode: Literal["min", "max"] = "min"
+    carry_best: bool = False
+    after_previous: int = 0
 
     def __post_init__(self) -> None:
         where = f"Thaw({self.select!r})"
@@ -178,16 +211,7 @@ class Thaw:
                 raise SpecError(f"{where}: {key} must be an integer >= 0, got {at!r}")
         _check_ramp(self, where)
         _check_monitor(self, where)
-        if self.lr is not None and (
-            isinstance(self.lr, bool)
-            or not isinstance(self.lr, (int, float))
-            or not math.isfinite(self.lr)
-            or self.lr <= 0
-        ):
-            raise SpecError(
-                f"{where}: lr must be a finite number > 0 or None (the settings of the group "
-                f"the parameters came from), got {self.lr!r}"
-            )
+        check_lr(self.lr, where)
         if self.optimizer_idx is not None and (
             not is_int(self.optimizer_idx) or self.optimizer_idx < 0
         ):
@@ -205,6 +229,20 @@ class Thaw:
     def selectors(self) -> tuple[str, ...]:
         """``select`` as a tuple of selector strings."""
         return string_list(self.select, "select", f"Thaw({self.select!r})")
+
+    def _key(self) -> tuple[Any, ...]:
+        # A lone string is one selector: Thaw("trunk") and Thaw(["trunk"]) are one step.
+        return tuple(
+            self.selectors if f.name == "select" else getattr(self, f.name) for f in fields(self)
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Thaw):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def when(self) -> str:
@@ -274,3 +312,5 @@ class ThawKeys(TypedDict, total=False):
     patience: int
     min_delta: float
     mode: Literal["min", "max"]
+    carry_best: bool
+    after_previous: int

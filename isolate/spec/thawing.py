@@ -74,7 +74,20 @@ class Thaws:
         by_epoch = [t for t in pending if t.epoch is not None and epoch >= t.epoch]
         by_step = [t for t in pending if t.step is not None and step >= t.step]
         due = [str(t.name) for t in [*by_epoch, *by_step]]
-        return due + [n for n in self.phases.due(list(self.applied)) if n not in due]
+        due += [n for n in self.phases.due(list(self.applied)) if n not in due]
+        return [n for n in due if self._spaced(n, epoch)]
+
+    def _spaced(self, name: str, epoch: int) -> bool:
+        """Whether ``after_previous`` lets group ``name`` thaw at ``epoch``."""
+        order = [str(t.name) for t in self.plan.spec.thaw]
+        gap = self.plan.spec.thaw[order.index(name)].after_previous
+        if not gap or order.index(name) == 0:
+            return True
+        before = self.applied.get(order[order.index(name) - 1])
+        return before is not None and epoch >= before["epoch"] + gap
+
+    def thawed_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for g in self.applied for n, p in self.plan.group(g).params.items()}
 
     def frozen_parameters(self) -> dict[str, nn.Parameter]:
         thawed = {id(p) for n in self.applied for p in self.plan.group(n).params.values()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 import yaml
 from torch import nn
 
@@ -39,7 +40,11 @@ def test_schedule_command_writes_yaml_that_applies(capsys: pytest.CaptureFixture
     )
     spec = IsolationSpec.from_dict(yaml.safe_load(out))
     model = Tower()
-    with spec.applied(model) as handle:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.warns(UserWarning, match="frozen parameters out"),
+        spec.applied(model, opt) as handle,
+    ):
         assert [n for n, p in model.named_parameters() if p.requires_grad] == [
             "model.head.weight",
             "model.head.bias",

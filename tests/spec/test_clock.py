@@ -110,7 +110,9 @@ def test_monitor_thaws_are_phases_with_saved_state() -> None:
             Thaw("0.bias", monitor="val", patience=1, mode="max", epoch=9),
         ],
     )
-    handle = spec.apply(two_layers())
+    model = two_layers()
+    with pytest.warns(UserWarning, match="took 2 frozen parameters out"):
+        handle = spec.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert handle.observe({"val": 1.0}) == []
     assert handle.observe({"val": 1.0}) == []
     state = handle.state_dict()  # mid-plateau: one check without improvement

@@ -56,7 +56,7 @@ def test_state_round_trip_resumes_without_refreezing() -> None:
 )
 def test_a_foreign_state_is_refused_and_changes_nothing(edit: Any, match: str) -> None:
     model = Net()
-    handle = SPEC.apply(model)
+    handle = SPEC.apply(model, optimizer=torch.optim.SGD(model.head.parameters(), lr=0.1))
     handle.step(epoch=1, step=4)
     state = handle.state_dict()
     handle.restore()
