@@ -4,7 +4,6 @@ behind, and no file outside ``tmp_path``; Hypothesis draws the same inputs on ev
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -16,12 +15,6 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from isolate import freezing
 from tests._launch import REPO
-
-# Child processes (multi-process runs, command lines, examples) import the checkout under
-# test, not whatever copy of isolate is installed in the environment.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    dict.fromkeys([str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-)
 
 # The same examples on every run and machine (a failure reproduces from the test id alone),
 # and no example database: nothing is written into the repo. Run with

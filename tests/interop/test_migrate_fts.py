@@ -14,8 +14,8 @@ import torch
 import yaml
 from torch import nn
 
-from isolate.errors import CheckpointMismatchError, IsolationTypeError, SpecError
 from isolate.cli import main
+from isolate.errors import CheckpointMismatchError, IsolationTypeError, SpecError
 from isolate.interop.leave import plain_checkpoint
 from isolate.interop.migrate import from_finetuning_scheduler, regex_to_glob
 from isolate.spec import IsolationSpec, Thaw
@@ -98,9 +98,7 @@ def test_the_converter_command_resolves_regexes_on_a_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "bert_factory.py").write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_assurance_migration import bert\n"
+        "from tests.interop.test_migrate_fts import bert\n"
         "def build():\n    return bert(3)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

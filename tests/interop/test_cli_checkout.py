@@ -7,15 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _launch import launch
-
-REPO = Path(__file__).resolve().parents[1]
+from tests._launch import REPO, child_env, launch
 
 
 def test_a_child_process_imports_the_checkout(tmp_path: Path) -> None:
     code = "import isolate, isolate.spec; print(isolate.__file__); print(isolate.spec.__file__)"
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     assert all(Path(f).resolve().is_relative_to(REPO / "isolate") for f in out), out
     launched = launch([sys.executable, "-c", code], cwd=tmp_path).stdout.split()
@@ -28,6 +31,7 @@ def test_the_command_line_runs_the_checkout(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "isolate", "migrate", str(schedule)],
         cwd=tmp_path,
+        env=child_env(),
         capture_output=True,
         text=True,
         check=False,

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from isolate.errors import CheckpointMismatchError, SpecError
-from isolate.spec.plan import resolve
 from isolate.spec import IsolationSpec, Thaw
+from isolate.spec.plan import resolve
 
 
 def tower() -> nn.Sequential:
