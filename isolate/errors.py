@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BlindSpotError",
     "CheckpointMismatchError",
+    "ContractError",
     "CutOffError",
     "DriftError",
     "GradientLeakError",
@@ -73,6 +74,11 @@ class RankDivergenceError(DriftError):
 
 class CutOffError(IsolationError, AssertionError):
     """Trainable parameters get no gradient from any loss: they will never learn."""
+
+
+class ContractError(IsolationError, AssertionError):
+    """A method's contract does not hold: the message names the contract, the clause that
+    failed and the tensors it failed for (see :mod:`isolate.spec.contracts`)."""
 
 
 class BlindSpotError(IsolationError, RuntimeError):
