@@ -95,7 +95,7 @@ def watch(
             for b in m.buffers(recurse=False)
             if id(b) in plan.names.of_id
         ]
-        if plan.spec.bn == "eval"
+        if plan.spec.policy == "eval"
         else []
     )
     return snapshot(plan.model, names=[*frozen, *buffers], copy=copy)

@@ -104,7 +104,7 @@ class IsolationHandle:
                     plan.frozen,
                     dict(plan.norms),
                     False,
-                    plan.spec.bn,
+                    plan.spec.policy,
                 )
             self._branches.wrap(plan.wraps)
             self._watch = self._new_watch()
