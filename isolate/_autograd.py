@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -132,13 +132,21 @@ def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
     )
 
 
-def walk(outputs: Sequence[torch.Tensor], caller: str, *, warn: bool = True) -> Walk:
+def walk(
+    outputs: Sequence[torch.Tensor],
+    caller: str,
+    *,
+    warn: bool = True,
+    stop: Callable[[Node], bool] | None = None,
+) -> Walk:
     """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
 
     Breadth-first rather than depth-first: the cost is the same (each node and edge once),
     and the first route recorded to each node is a shortest one, which is the route a leak
     message should show. ``warn=False`` leaves the opaque nodes to the caller, which must
-    then act on ``found.opaque`` itself.
+    then act on ``found.opaque`` itself. A node for which ``stop`` is true is recorded but
+    not walked through: what lies only behind it counts as not reached (a route through a
+    module that is allowed, a gradient scale).
     """
     found = Walk()
     queue: deque[Node] = deque()
@@ -157,6 +165,8 @@ def walk(outputs: Sequence[torch.Tensor], caller: str, *, warn: bool = True) -> 
             continue
         if node_name(node) in _OPAQUE_OPS:
             found.opaque.append(node_name(node))
+        if stop is not None and stop(node):
+            continue
         for child, _ in node.next_functions:
             if child is None:
                 continue

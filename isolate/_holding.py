@@ -57,7 +57,7 @@ def _method_code(cls: type, name: str) -> types.CodeType | None:
     return code if isinstance(code, types.CodeType) and code.co_varnames else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_reads_training(cls: type) -> bool:
     # forward and the methods it calls on self, transitively: torch's InstanceNorm reads the
     # flag in a helper that forward calls. Methods that forward does not call (an export
@@ -88,13 +88,13 @@ def reads_training(module: nn.Module) -> bool:
     module whose forward calls a free function that reads the flag of *another* module must
     declare it.
 
-    >>> reads_training(nn.Dropout()), reads_training(nn.BatchNorm1d(2)), reads_training(nn.Linear(2, 2))
-    (True, True, False)
+    >>> [reads_training(m) for m in (nn.Dropout(), nn.BatchNorm1d(2), nn.Linear(2, 2))]
+    [True, True, False]
     """
     declared = getattr(type(module), READS_TRAINING, None)
     if isinstance(declared, bool):
         return declared
-    return _class_reads_training(type(module))
+    return _class_reads_training(type(module))  # type: ignore[arg-type]
 
 
 class ModeHold:

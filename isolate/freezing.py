@@ -329,10 +329,10 @@ def freeze(
         why ``bn="eval"`` is the default; nor does it stop a frozen part's dropout, which
         keeps its features random in training: ``mode="eval"`` holds that too. A hold is a
         forward pre-hook, not an override of ``train()``: it survives a parent's ``.train()``
-        and Lightning's loops, which assign ``module.training`` directly. Optimizers still move parameters whose ``.grad`` is
-        a zero tensor (weight decay, momentum); ``freeze`` sets ``.grad`` to ``None`` so they
-        don't, but a parameter frozen *after* an optimizer step may still carry momentum
-        state. DDP only syncs parameters that required grad when it was built: freeze before
+        and Lightning's loops, which assign ``module.training`` directly. Optimizers still
+        move parameters whose ``.grad`` is a zero tensor (weight decay, momentum); ``freeze``
+        sets ``.grad`` to ``None`` so they don't, but a parameter frozen *after* an optimizer
+        step may still carry momentum state. DDP only syncs parameters that required grad when it was built: freeze before
         wrapping.
 
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))

@@ -123,7 +123,7 @@ class Contract:
             )
         self._check_values(where)
         if not self.name:
-            first = self.select or self.blocked or (self.target or self.loss or "",)
+            first = self.select or (self.loss or self.target or "",)
             set_(self, "name", f"{self.kind}:{first[0]}")
 
     def _check_values(self, where: str) -> None:
@@ -197,7 +197,9 @@ class Contract:
         for key in (*_SELECTORS, *_MODULES):
             value = data.get(key)
             if isinstance(value, list):
-                data[key] = [f"!{prefix}.{s[1:]}" if s[0] == "!" else f"{prefix}.{s}" for s in value]
+                data[key] = [
+                    f"!{prefix}.{s[1:]}" if s[0] == "!" else f"{prefix}.{s}" for s in value
+                ]
             elif isinstance(value, str):
                 data[key] = f"{prefix}.{value}"
         return Contract.from_dict(data)

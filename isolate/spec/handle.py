@@ -28,6 +28,7 @@ from isolate.spec.checks import (
     run_checks,
     watch,
 )
+from isolate.spec.contract_checks import ContractWatch
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
@@ -90,6 +91,7 @@ class IsolationHandle:
         self.drift: Literal["fingerprint", "copy"] = "fingerprint"
         self._watch: Snapshot | None = None
         self._active = False
+        self.contracts = ContractWatch(plan.contracts, plan.model, caller)
         self.loop = Loop(self, Cadence())
 
     def start(self) -> None:
@@ -121,6 +123,7 @@ class IsolationHandle:
         """Undo everything: thaws, wrappers, freezing, holds, and (with ``optimizers=True``)
         the optimizer surgery. Flags and modes go back to exactly what they were."""
         settle(self.plan.model)
+        self.contracts.restore()
         self._thaws.restore()
         self._branches.unwrap()
         if self._freeze is not None and self._freeze.active:
@@ -197,13 +200,15 @@ class IsolationHandle:
             step: the number of optimizer steps taken so far.
             record: whether ``detach`` branches record their inputs this step, for the
                 reachability check of :meth:`verify` (holding them costs their memory until the
-                next step).
+                next step), and whether the contracts check this step: they open their windows
+                (copies for an EMA) and record the modules they name.
 
         Returns:
             The names of the groups thawed by this call, in schedule order.
         """
         self._require_active("step")
         self.position.update(epoch=int(epoch), global_step=int(step))
+        self.contracts.begin(int(step), record=record)
         self._branches.reset(record=record)
         due = self.due(epoch=epoch, step=step)
         for name in due:
@@ -239,7 +244,8 @@ class IsolationHandle:
         on_violation: Literal["raise", "warn"] = "raise",
         when: str | None = None,
     ) -> Verification:
-        """Prove the spec holds now: reach of the named losses, drift, flags, optimizers, ranks.
+        """Prove the spec holds now: reach of the named losses, drift, flags, optimizers, ranks,
+        and the spec's contracts (:mod:`isolate.spec.contracts`).
 
         Args:
             losses: loss name -> loss tensor, graph alive. Each must reach no frozen parameter
@@ -256,7 +262,9 @@ class IsolationHandle:
             A :class:`~isolate.spec.checks.Verification` saying what was checked.
 
         Raises:
-            GradientLeakError, CutOffError, DriftError, RankDivergenceError: a violation.
+            GradientLeakError, CutOffError, DriftError, RankDivergenceError, ContractError: a
+                violation (a :class:`~isolate.errors.ContractError` names the contract, the
+                clause and the tensors).
             BlindSpotError: part of ``total``'s graph cannot be seen.
             SpecError: ``protect`` names a loss not in ``losses``, or a branch ran more often
                 than recorded since the last :meth:`step`.
@@ -277,6 +285,7 @@ class IsolationHandle:
             checks,
             when,
             self.caller,
+            self.contracts,
         )
         if found and on_violation == "raise":
             raise found[0]

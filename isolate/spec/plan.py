@@ -8,7 +8,7 @@ names stay the same whether or not the model is wrapped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torch import nn
@@ -18,6 +18,8 @@ from isolate._text import shown
 from isolate._walker import Names
 from isolate._wrapping import Wrapper
 from isolate.errors import IsolationTypeError, SelectorError, SpecError, WrappingError
+from isolate.spec.contract_checks import bind
+from isolate.spec.contract_clauses import Clauses
 from isolate.spec.data import SpecData
 from isolate.spec.thaw import Thaw
 
@@ -60,6 +62,7 @@ class Plan:
     wraps: list[Wrap]
     groups: list[Group]
     protect: dict[str, dict[str, nn.Parameter]] | None
+    contracts: list[Clauses] = field(default_factory=list)
 
     def group(self, name: str) -> Group:
         for g in self.groups:
@@ -68,6 +71,13 @@ class Plan:
         raise SpecError(
             f"IsolationHandle: no thaw group {name!r}; the groups are {self.group_names}"
         )
+
+    @property
+    def moving(self) -> set[str]:
+        """Tensors a contract says move by a rule of their own (an EMA target), by key: the
+        spec may freeze them (to gradients) and hold them in eval mode, but does not watch
+        them for drift."""
+        return {n for c in self.contracts for n in c.moving}
 
     @property
     def group_names(self) -> list[str]:
@@ -150,7 +160,8 @@ def resolve(spec: SpecData, model: nn.Module, caller: str = "IsolationSpec") -> 
         for loss, selectors in spec.protect.items():
             chosen = select(model, selectors, f"{caller}(protect[{loss!r}])")
             protect[loss] = {names.of_id[id(p)]: p for p in chosen.params.values()}
-    return Plan(spec, model, names, frozen, norms, wraps, groups, protect)
+    contracts = bind(spec.contracts, model, caller)
+    return Plan(spec, model, names, frozen, norms, wraps, groups, protect, contracts)
 
 
 def _wraps(spec: SpecData, model: nn.Module, caller: str) -> list[Wrap]:
