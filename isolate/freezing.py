@@ -332,8 +332,8 @@ def freeze(
         and Lightning's loops, which assign ``module.training`` directly. Optimizers still
         move parameters whose ``.grad`` is a zero tensor (weight decay, momentum); ``freeze``
         sets ``.grad`` to ``None`` so they don't, but a parameter frozen *after* an optimizer
-        step may still carry momentum state. DDP only syncs parameters that required grad when it was built: freeze before
-        wrapping.
+        step may still carry momentum state. DDP only syncs parameters that required grad
+        when it was built: freeze before wrapping.
 
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
     >>> handle = freeze(model, "0", "1")
