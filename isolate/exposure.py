@@ -17,9 +17,16 @@ from torch import nn
 
 from isolate.errors import IsolationTypeError
 
-__all__ = ["Exposure", "optimizer_exposure", "unwrap_optimizer", "zero_grad_risks"]
+__all__ = [
+    "MOMENTUM_STATE",
+    "Exposure",
+    "optimizer_exposure",
+    "unwrap_optimizer",
+    "zero_grad_risks",
+]
 
-_MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
+MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
+"""Optimizer state that keeps moving a parameter: a momentum buffer, or Adam's first moment."""
 
 
 def zero_grad_risks(group: Mapping[str, Any], state: Mapping[str, Any]) -> tuple[str, ...]:
@@ -37,7 +44,7 @@ def zero_grad_risks(group: Mapping[str, Any], state: Mapping[str, Any]) -> tuple
         reasons.append(f"weight_decay={decay} shrinks it on every step")
     if group.get("lambd"):  # ASGD decays every parameter it steps, weight decay or not
         reasons.append(f"lambd={group['lambd']} (ASGD) shrinks it on every step")
-    for key in _MOMENTUM_STATE:
+    for key in MOMENTUM_STATE:
         value = state.get(key)
         if isinstance(value, torch.Tensor) and bool(value.ne(0).any()):
             reasons.append(f"optimizer state {key!r} is non-zero and keeps moving it")

@@ -25,13 +25,13 @@ from isolate.spec.contract_clauses import (
     Outcome,
     Probe,
     Recorded,
-    Reversal,
     StopGradient,
     Teacher,
     Trains,
 )
 from isolate.spec.contracts import Contract
 from isolate.spec.ema import Ema
+from isolate.spec.reversal import Reversal
 
 __all__ = ["ContractWatch", "bind"]
 

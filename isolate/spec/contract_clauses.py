@@ -5,7 +5,8 @@ Contract` and the model (every selector resolved once, before anything changes),
 three questions, each as a list of outcomes ``(clause, violation or None)``:
 
 * :meth:`Clauses.graph`: what the named losses and the loss backpropagated reach, from a walk
-  of their graphs (:mod:`isolate._autograd`), or, for a reversal, their gradients;
+  of their graphs (:mod:`isolate._autograd`), or, for a reversal (in
+  :mod:`isolate.spec.reversal`), their gradients;
 * :meth:`Clauses.state`: what the optimizers hold, which modes the modules run in, what moved
   (:mod:`isolate.drift`);
 * :meth:`Clauses.close`: what happened over a window of optimizer steps opened by
@@ -27,7 +28,6 @@ from isolate._selectors import describe, select
 from isolate._sharding import check_leaves
 from isolate._text import shown
 from isolate._walker import Names
-from isolate.detaching import gradient_scale_of
 from isolate.drift import Snapshot, snapshot
 from isolate.errors import BlindSpotError, ContractError, IsolationError, SelectorError
 from isolate.spec.contracts import Contract
@@ -42,6 +42,7 @@ __all__ = [
     "no_loss_reaches",
     "no_optimizer_holds",
     "params_of",
+    "reached_names",
 ]
 
 Outcome = tuple[str, IsolationError | None]
@@ -189,6 +190,7 @@ class Clauses:
         self.where = f"{caller}(contract {contract.name!r})"
         self.watch: list[tuple[nn.Module, str]] = []  # modules whose inputs/outputs to record
         self.moving: frozenset[str] = frozenset()  # keys that move by a rule of their own
+        self.params: dict[str, nn.Parameter] = {}  # the parameters it is about, by key
 
     @property
     def losses(self) -> tuple[str, ...]:
@@ -211,7 +213,7 @@ class Clauses:
         return []
 
 
-def _reached(
+def reached_names(
     ctx: Context, params: Mapping[str, nn.Parameter], leaves: Mapping[int, object]
 ) -> list[str]:
     return [n for n, p in params.items() if id(p) in leaves]
@@ -224,7 +226,7 @@ def no_loss_reaches(
     if not sources:
         return []
     for source, leaves in sources:
-        hit = _reached(ctx, params, leaves)
+        hit = reached_names(ctx, params, leaves)
         if hit:
             return [(clause, ctx.fail(contract, clause, f"{source} reaches {shown(hit)}"))]
     return [(clause, None)]
@@ -338,7 +340,7 @@ class StopGradient(Clauses):
                 stop, route = nodes.__contains__, f" outside the route through {contract.through!r}"
             loss = ctx.losses[str(contract.loss)]
             leaves = ctx.leaves((contract.loss, "stop", id(self)), [loss], stop)
-            hit = _reached(ctx, self.blocked, leaves)
+            hit = reached_names(ctx, self.blocked, leaves)
             out.append(
                 (
                     clause,
@@ -358,118 +360,6 @@ class StopGradient(Clauses):
             detail = f"no loss reaches {shown(cut)}: they are cut off, not only blocked"
             out.append((clause, ctx.fail(contract, clause, detail) if cut else None))
         return out
-
-
-class Reversal(Clauses):
-    """``{kind: reversal, loss, features, classifier, scale}``: domain-adversarial training."""
-
-    CLAUSES = (
-        "reaches the features",
-        "reversed at the features",
-        "the classifier gets it unreversed",
-    )
-
-    def __init__(self, contract: Contract, model: nn.Module, names: Names, caller: str) -> None:
-        super().__init__(contract, model, names, caller)
-        self.features = module_of(model, str(contract.features), self.where)
-        self.classifier = module_of(model, str(contract.classifier), self.where)
-        self.feature_params = {names.name(p): p for p in self.features.parameters()}
-        self.watch += [(self.features, "outputs"), (self.classifier, "inputs")]
-        self.watch.append((self.classifier, "outputs"))
-
-    def graph(self, ctx: Context) -> list[Outcome]:
-        contract = self.contract
-        if ctx.losses is None or contract.loss not in ctx.losses:
-            return []
-        loss = ctx.losses[str(contract.loss)]
-        reached = _reached(ctx, self.feature_params, ctx.reached_by(str(contract.loss)))
-        clause = "reaches the features"
-        if not reached:
-            detail = f"loss {contract.loss!r} reaches no parameter of {contract.features!r}"
-            return [(clause, ctx.fail(contract, clause, detail))]
-        out: list[Outcome] = [(clause, None)]
-        features = ctx.recorded.of(self.features, "outputs")
-        inputs = ctx.recorded.of(self.classifier, "inputs")
-        clause = "reversed at the features"
-        if not features or not inputs:
-            missing = contract.features if not features else contract.classifier
-            detail = f"{missing!r} did not run while the check recorded"
-            return [*out, (clause, ctx.blind(contract, clause, detail))]
-        out.append((clause, self._reversed(ctx, loss, features, inputs)))
-        clause = "the classifier gets it unreversed"
-        outputs = {t.grad_fn for t in ctx.recorded.of(self.classifier, "outputs")} - {None}
-        plain = walk(
-            [loss], ctx.caller, warn=False, stop=lambda n: gradient_scale_of(n) is not None
-        )
-        if outputs and not outputs & set(plain.parent):
-            detail = (
-                f"every route from loss {contract.loss!r} to the output of "
-                f"{contract.classifier!r} passes a gradient scale: the classifier is trained "
-                f"to maximise the loss; put the reversal between the features and the "
-                f"classifier"
-            )
-            out.append((clause, ctx.fail(contract, clause, detail)))
-        else:
-            out.append((clause, None))
-        return out
-
-    def _reversed(
-        self,
-        ctx: Context,
-        loss: torch.Tensor,
-        features: list[torch.Tensor],
-        inputs: list[torch.Tensor],
-    ) -> IsolationError | None:
-        contract, clause = self.contract, "reversed at the features"
-        wanted = [t for t in [*features, *inputs] if t.requires_grad]
-        grads = dict(
-            zip(
-                map(id, wanted),
-                torch.autograd.grad(loss, wanted, retain_graph=True, allow_unused=True),
-                strict=True,
-            )
-        )
-
-        def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-            parts = [grads.get(id(t)) for t in tensors]
-            return torch.cat(
-                [
-                    (g if g is not None else torch.zeros_like(t)).reshape(-1).double()
-                    for g, t in zip(parts, tensors, strict=True)
-                ]
-            )
-
-        at_features, at_inputs = flat(features), flat(inputs)
-        if at_features.numel() != at_inputs.numel():
-            return ctx.blind(
-                contract,
-                clause,
-                f"the outputs of {contract.features!r} ({at_features.numel()} numbers) and the "
-                f"inputs of {contract.classifier!r} ({at_inputs.numel()}) cannot be paired "
-                f"element for element; name the modules on either side of the reversal",
-            )
-        scale = float(contract.scale or 0.0)
-        expected = -scale * at_inputs
-        eps = torch.finfo(features[0].dtype).eps if features[0].is_floating_point() else 0.0
-        tol = 8 * eps * (at_features.abs() + expected.abs()) + eps * float(expected.abs().max())
-        if bool(((at_features - expected).abs() <= tol).all()):
-            return None
-        norm = float(at_inputs.dot(at_inputs))
-        factor = float(at_features.dot(at_inputs)) / norm if norm else float("nan")
-        return ctx.fail(
-            contract,
-            clause,
-            f"the gradient of loss {contract.loss!r} at the output of {contract.features!r} is "
-            f"{factor:+.4g} times its gradient at the input of {contract.classifier!r}, expected "
-            f"{-scale:+.4g} (a reversal of scale {scale:g}); "
-            + (
-                "the reversal is missing"
-                if abs(factor - 1.0) < 1e-3
-                else "the sign is wrong"
-                if abs(factor - scale) < 1e-3 * max(scale, 1.0)
-                else "the scale differs"
-            ),
-        )
 
 
 class _Moves:
@@ -513,7 +403,7 @@ class Probe(Clauses):
         out.append((clause, ctx.fail(contract, clause, detail) if outside else None))
         clause = "no other loss reaches the probe"
         others = [n for n in ctx.losses if n != contract.loss]
-        hits = [(n, _reached(ctx, self.params, ctx.reached_by(n))) for n in others]
+        hits = [(n, reached_names(ctx, self.params, ctx.reached_by(n))) for n in others]
         hits = [(n, h) for n, h in hits if h]
         detail = "; ".join(f"loss {n!r} reaches {shown(h)}" for n, h in hits)
         out.append((clause, ctx.fail(contract, clause, detail) if hits else None))

@@ -336,6 +336,12 @@ class IsolationHandle:
         """The ``monitor`` thaw group waiting now for its metric to stop improving, if any."""
         return self._thaws.phases.watching(list(self._thaws.applied))
 
+    def expectations(self, model: nn.Module | None = None) -> dict[str, str]:
+        """Parameter key -> what the spec expects of it now (``"still"``, ``"still until
+        epoch 2"``, ``"EMA of <online>"``, ``"moves"``): the ``expects`` column of
+        :func:`isolate.ledger.ledger` when the handle is given as ``spec=``."""
+        return self.plan.expectations(self.frozen_parameters(), self.thawed)
+
     def frozen_parameters(self) -> dict[str, nn.Parameter]:
         """Name -> parameter of every parameter frozen now."""
         return self._thaws.frozen_parameters()

@@ -100,6 +100,19 @@ class IsolationSpec(SpecData):
         """
         return apply(self, model, optimizer, drift=drift)
 
+    def expectations(self, model: nn.Module) -> dict[str, str]:
+        """Parameter key -> what the spec expects of it on ``model`` before training starts
+        (``"still"``, ``"still until epoch 2"``, ``"EMA of <online>"``, ``"moves"``): the
+        ``expects`` column of :func:`isolate.ledger.ledger`. Changes nothing.
+
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+        >>> IsolationSpec(freeze=["0"]).expectations(net)
+        {'0.weight': 'still', '0.bias': 'still', '1.weight': 'moves', '1.bias': 'moves'}
+        """
+        plan = resolve(self, model)
+        return plan.expectations(plan.frozen, ())
+
     @contextlib.contextmanager
     def applied(
         self,

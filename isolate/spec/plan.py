@@ -8,6 +8,7 @@ names stay the same whether or not the model is wrapped.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -78,6 +79,26 @@ class Plan:
         spec may freeze them (to gradients) and hold them in eval mode, but does not watch
         them for drift."""
         return {n for c in self.contracts for n in c.moving}
+
+    def expectations(
+        self, frozen: Mapping[str, nn.Parameter], thawed: Sequence[str]
+    ) -> dict[str, str]:
+        """Parameter key -> what the spec expects of it, given what is ``frozen`` now and the
+        groups ``thawed`` so far: ``"still"`` (``"still until epoch 2"`` for a group that
+        waits for its thaw), ``"EMA of <online>"``, or ``"moves"``."""
+        out = dict.fromkeys(self.names.params, "moves")
+        waiting = {n: g.thaw.when for g in self.groups if g.name not in thawed for n in g.params}
+        for name in frozen:
+            out[name] = f"still until {waiting[name]}" if name in waiting else "still"
+        for clauses in self.contracts:
+            contract = clauses.contract
+            if contract.kind == "teacher":
+                out.update(dict.fromkeys(clauses.params, "still"))
+            elif contract.kind == "ema":
+                for name in clauses.moving:
+                    if name in out:
+                        out[name] = f"EMA of {contract.online}"
+        return out
 
     @property
     def group_names(self) -> list[str]:
