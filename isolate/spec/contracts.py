@@ -63,6 +63,10 @@ _MODULES = ("target", "online", "through", "features", "classifier")  # one subm
 _SELECTORS = ("select", "blocked")
 
 
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 @dataclass(frozen=True)
 class Contract:
     """One contract of a spec: its ``kind`` and that kind's keys (see the module docstring).
@@ -112,13 +116,14 @@ class Contract:
         missing = [k for k in required if k not in given]
         if missing:
             raise SpecError(
-                f"{where}: a {self.kind} contract needs {missing}; its keys are "
-                f"{[*required, *optional, 'name']}"
+                f"{where}: {_article(self.kind)} {self.kind} contract needs {missing}; its keys "
+                f"are {[*required, *optional, 'name']}"
             )
         stray = sorted(given - set(required) - set(optional) - {"integers"})
         if stray or (self.integers != "copy" and "integers" not in optional):
             raise SpecError(
-                f"{where}: a {self.kind} contract has no keys {stray or ['integers']}; its keys "
+                f"{where}: {_article(self.kind)} {self.kind} contract has no keys "
+                f"{stray or ['integers']}; its keys "
                 f"are {[*required, *optional, 'name']}"
             )
         self._check_values(where)
