@@ -100,7 +100,7 @@ class IsolationCallback(Callback):
         ledger: print :func:`isolate.ledger.ledger` of the model once, at the first training
             step (when the first losses exist; on rank zero, as ``ModelSummary`` prints at fit
             start), and log its summary (``isolation/ledger/*``); it is kept in
-            :attr:`ledger`.
+            :attr:`ledger`. The contracts' verdicts of the fit are kept in :attr:`verdicts`.
 
     Raises:
         SpecError: (at construction) an argument has the wrong type or value; (at setup and
@@ -189,6 +189,7 @@ class IsolationCallback(Callback):
         self.drift: Literal["fingerprint", "copy"] = drift
         self.print_ledger = bool(ledger)
         self.ledger: Ledger | None = None
+        self.verdicts: dict[str, Any] = {}  # the contracts' verdicts of the last fit
         self.handle: IsolationHandle | None = None
         self.saved = SavedState(_CALLER)
         self._modes: list[tuple[nn.Module, bool]] = []
@@ -214,6 +215,7 @@ class IsolationCallback(Callback):
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         self.handle = apply_spec(self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift)
+        self.verdicts = self.handle.contracts.verdicts  # updated in place, kept after teardown
         cadence = self.cadence
         self.handle.check_every(
             cadence.every,
