@@ -139,7 +139,8 @@ class Ledger:
         }
 
     def format(self, *, limit: int | None = None) -> str:
-        """The table; with ``limit``, at most that many rows (the irregular ones first)."""
+        """The table; with ``limit``, that many rows at most, or every irregular row (first)
+        if there are more."""
         rows = list(self.rows)
         if limit is not None and len(rows) > limit:
             regular = [r for r in rows if not r.irregular]

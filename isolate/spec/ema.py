@@ -163,17 +163,17 @@ def _deviations(
     the dtype's rounding, and by how many tolerances it is off at worst."""
     with torch.no_grad():
         for k in floats:
-            old, new = target_a[k].double(), target_b[k].detach().double()
-            source = online[k].detach().double().to(new.device)
-            expected = decay * old.to(new.device) + (1 - decay) * source
-            eps = torch.finfo(target_b[k].dtype).eps
-            # An EMA step rounds a few times (a multiply, an add or a lerp) at the scale of its
-            # operands; 4 roundings of the largest of them bound every common form.
-            tol = (
-                4 * eps * (old.abs().to(new.device) + source.abs() + new.abs())
-                + torch.finfo(target_b[k].dtype).tiny
-            )
-            ratio = float(((new - expected).abs() / tol).max()) if new.numel() else 0.0
+            new = target_b[k].detach()
+            dtype = torch.promote_types(new.dtype, torch.float32)  # half precision: in float32
+            old = target_a[k].to(new.device, dtype)
+            source = online[k].detach().to(new.device, dtype)
+            expected = torch.lerp(old, source, 1 - decay)
+            finfo = torch.finfo(new.dtype)
+            # An EMA step rounds a few times (a multiply and an add, or a lerp) at the scale of
+            # its operands, and so does the expected value computed here: 4 roundings of the
+            # sum of their sizes bound both.
+            tol = (old.abs() + source.abs() + new.abs()).mul_(4 * finfo.eps).add_(finfo.tiny)
+            ratio = float((new.to(dtype) - expected).abs_().div_(tol).max()) if new.numel() else 0.0
             if not ratio <= 1.0:
                 yield k, ratio
 
