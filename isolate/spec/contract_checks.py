@@ -127,8 +127,10 @@ class ContractWatch:
         self._close(next_step, "at the end of training")
 
     def restore(self) -> None:
-        """Remove every hook the watch registered."""
+        """Remove every hook the watch registered, and drop its snapshots and copies."""
         self._disarm()
+        for b in self.bound:
+            b.release()
 
     def check(
         self,

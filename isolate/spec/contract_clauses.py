@@ -212,6 +212,10 @@ class Clauses:
     def close(self, ctx: Context) -> list[Outcome]:
         return []
 
+    def release(self) -> None:
+        """Drop what the clauses keep between checks (snapshots hold weak references, which
+        keep FSDP2 from swapping the parameters when the model moves after training)."""
+
 
 def reached_names(
     ctx: Context, params: Mapping[str, nn.Parameter], leaves: Mapping[int, object]
@@ -270,10 +274,13 @@ class Teacher(Clauses):
             for b in m.buffers(recurse=False)
             if id(b) in names.of_id and names.of_id[id(b)] not in buffers
         ]
-        self.snap = snapshot(model, names=[*self.params, *buffers], copy=False)
+        self.snap: Snapshot | None = snapshot(model, names=[*self.params, *buffers], copy=False)
 
     def graph(self, ctx: Context) -> list[Outcome]:
         return no_loss_reaches(ctx, self.contract, "no loss reaches it", self.params)
+
+    def release(self) -> None:
+        self.snap = None
 
     def state(self, ctx: Context) -> list[Outcome]:
         out = no_optimizer_holds(ctx, self.contract, "in no optimizer", self.params)
@@ -293,6 +300,8 @@ class Teacher(Clauses):
                 else None,
             )
         )
+        if self.snap is None:
+            return out
         moved = self.snap.changed()
         clause = "bitwise still"
         if moved:
@@ -371,6 +380,9 @@ class _Moves:
     def open_on(self, step: int, model: nn.Module, keys: Iterable[str]) -> None:
         self.window.open(step, model, keys)
 
+    def release(self) -> None:
+        self.window = Window()
+
     def unchanged(self) -> tuple[int, list[str]]:
         start, snap = self.window.close()
         moved = snap.changed()
@@ -415,6 +427,9 @@ class Probe(Clauses):
     def due(self, step: int) -> bool:
         return self.moves.window.due(step, self.contract.steps)
 
+    def release(self) -> None:
+        self.moves.release()
+
     def close(self, ctx: Context) -> list[Outcome]:
         start, still = self.moves.unchanged()
         clause = "the probe moves"
@@ -451,6 +466,9 @@ class Trains(Clauses):
 
     def due(self, step: int) -> bool:
         return self.moves.window.due(step, self.contract.steps)
+
+    def release(self) -> None:
+        self.moves.release()
 
     def close(self, ctx: Context) -> list[Outcome]:
         start, still = self.moves.unchanged()

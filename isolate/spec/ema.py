@@ -93,6 +93,9 @@ class Ema(Clauses):
     def due(self, step: int) -> bool:
         return self._start is not None and step > self._start
 
+    def release(self) -> None:
+        self._start, self._copies = None, None
+
     def close(self, ctx: Context) -> list[Outcome]:
         assert self._copies is not None  # due() was true
         (target_a, online_a), start = self._copies, self._start

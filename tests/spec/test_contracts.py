@@ -483,3 +483,23 @@ def test_recording_hooks_live_for_a_check_step_only() -> None:
         loop.begin_step(epoch=0, step=2)
         assert len(model["head"]._forward_hooks) == 1
     assert not model["head"]._forward_hooks  # restore removes them
+
+
+def test_restore_leaves_no_weak_reference_on_a_parameter() -> None:
+    """FSDP2 swaps parameters when the model moves after training, which a weak reference
+    (a snapshot's) forbids."""
+    import weakref
+
+    model = net()
+    opt = torch.optim.SGD(model["head"].parameters(), lr=0.1)
+    contracts = [
+        {"kind": "teacher", "select": "trunk"},
+        {"kind": "trains", "select": "head", "within": 2},
+    ]
+    handle = IsolationSpec(freeze=["trunk"], mode="eval", contracts=contracts).apply(model, opt)
+    handle.step(epoch=0, step=0)  # opens the window: a snapshot of the head
+    assert weakref.getweakrefs(model["trunk"][0].weight) and weakref.getweakrefs(
+        model["head"].weight
+    )
+    handle.restore()
+    assert all(not weakref.getweakrefs(p) for p in model.parameters())
