@@ -31,6 +31,9 @@ kind               claim (parameters)
                    first step (``isolate.cutoff.cut_off_parameters``) are exactly ``expect`` (a list
                    of names), and they still hold their first-step values at the end; or
                    ``expect: none``: every trainable parameter is reached
+``contract``       the contract ``name`` the run's IsolationCallback declares holds (``holds:
+                   true``: every clause checked, none broken) or breaks its ``clause``
+                   (``holds: false``, a negative control)
 =================  ==========================================================================
 
 A run that should finish and did not gets one failed check, "the run finishes", instead of
@@ -348,6 +351,46 @@ def _cut_off(
     ]
 
 
+def _contract(
+    name: str, record: Record, ctx: _Context, *, contract: str, holds: bool, clause: str = ""
+) -> list[Check]:
+    verdict = (record.get("contracts") or {}).get(contract)
+    clauses = (verdict or {}).get("clauses", {})
+    broken = {c: v for c, v in clauses.items() if v["violated"]}
+    unchecked = [c for c, v in clauses.items() if not v["checked"]]
+    if verdict is None:
+        observed = "not declared"
+    elif broken:
+        observed = "; ".join(
+            f"'{c}' broken at {v['violated']} of {v['checked']} checks" for c, v in broken.items()
+        )
+    else:
+        observed = f"all {len(clauses)} clauses held at every check" + (
+            f" (never checked: {', '.join(unchecked)})" if unchecked else ""
+        )
+    if holds:
+        return [
+            check(
+                name,
+                f"contract {contract} holds",
+                "every clause checked, none broken",
+                observed,
+                verdict is not None and not broken and not unchecked,
+            )
+        ]
+    if not clause:
+        raise ValueError(f"contract: holds=false needs the clause that must break ({contract})")
+    return [
+        check(
+            name,
+            f"contract {contract} breaks its clause '{clause}'",
+            f"'{clause}' broken",
+            observed,
+            clause in broken,
+        )
+    ]
+
+
 CLAIMS: dict[str, Callable[..., list[Check]]] = {
     "reaches": _reaches,
     "gradient_equal": _gradient_equal,
@@ -361,6 +404,7 @@ CLAIMS: dict[str, Callable[..., list[Check]]] = {
     "spread": _spread,
     "collapses": _collapses,
     "cut_off": _cut_off,
+    "contract": _contract,
 }
 
 

@@ -23,6 +23,8 @@ numbers come out of an in-process run and of a run under DDP or FSDP2 in subproc
   parameters: each full parameter's :func:`isolate.fingerprints.fingerprint` (a DTensor's
   ``full_tensor()``), gathered from every process and compared with rank 0's;
 * at the end, whether the parameters cut off at the first step still hold their values;
+* with an :class:`isolate.lightning.IsolationCallback` that declares contracts, each
+  contract's verdict: how often each clause was checked and found broken (its first message);
 * the metrics the module logs (the logger has them too), and the accuracies that
   ``trainer.test`` measures on the test split after ``fit``;
 * an exception that stopped the run, by type and message.
@@ -119,6 +121,15 @@ def _ranks_differing(params: dict[str, torch.Tensor]) -> int:
     for other in gathered[1:]:
         differs |= (other != gathered[0]).any(dim=1)
     return int(differs.sum())
+
+
+def _verdicts(trainer: pl.Trainer) -> dict[str, Any]:
+    """The contracts' verdicts of every IsolationCallback, by contract name."""
+    found: dict[str, Any] = {}
+    for cb in trainer.callbacks:
+        if isinstance(cb, IsolationCallback):
+            found.update(json.loads(json.dumps(cb.verdicts)))
+    return found
 
 
 def _thaws(trainer: pl.Trainer) -> list[IsolationCallback]:
@@ -340,6 +351,9 @@ class Recorder(pl.Callback):
         batch_idx: int,
     ) -> None:
         self.record["train"]["step"].append(trainer.global_step)
+        contracts = _verdicts(trainer)
+        if contracts:
+            self.record["contracts"] = contracts
         for key, value in self._metrics(trainer, "train/").items():
             self._append("train", key, value)
         if self._snapshot is not None:
@@ -408,6 +422,9 @@ class Recorder(pl.Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_trace()
         record = self.record
+        contracts = _verdicts(trainer)  # the checks at the end of training count too
+        if contracts:
+            record["contracts"] = contracts
         # Collectives only after a fit that ended normally, which every process reaches.
         together = record["status"] == "ok" or not _distributed()
         if "cut_off" in record:

@@ -40,6 +40,7 @@ def write_report(results: dict[str, Any], output: Path) -> list[Path]:
     lines = [*_header(results), *_checks(results), *_runs(results), *_skipped(results)]
     lines += _gradients(results, output)
     lines += _audit(results)
+    lines += _contracts(results)
     lines += _accuracy(results, output)
     lines += render_declared(results, output)
     markdown = output / "report.md"
@@ -252,6 +253,31 @@ def _audit(results: dict[str, Any]) -> list[str]:
         "before backward; the table counts the parameters of each part it can reach.",
         "",
         table(["run", "loss", "parameters reached"], rows),
+        "",
+    ]
+
+
+def _contracts(results: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, record in results["runs"].items():
+        for contract, verdict in (record.get("contracts") or {}).items():
+            clauses = verdict["clauses"]
+            broken = [c for c, v in clauses.items() if v["violated"]]
+            checks = sum(v["checked"] for v in clauses.values())
+            said = "holds" if not broken else "broken: " + ", ".join(f"'{c}'" for c in broken)
+            first = next((clauses[c]["first"] for c in broken), None)
+            detail = "" if first is None else str(first).split(" breaks its clause ", 1)[-1]
+            rows.append([name, contract, verdict["kind"], checks, said, detail[:160]])
+    if not rows:
+        return []
+    return [
+        "## Contracts",
+        "",
+        "What each run's `IsolationCallback` declares its method promises (`contracts:` in its "
+        "config), checked at step 0 and every `verify_every_n_steps` steps; a negative control "
+        "declares the contract of the method it gets wrong and warns instead of stopping.",
+        "",
+        table(["run", "contract", "kind", "clause checks", "verdict", "first violation"], rows),
         "",
     ]
 

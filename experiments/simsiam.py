@@ -135,6 +135,7 @@ class SimSiam(pl.LightningModule):
         p1, p2 = self.predictor(z1), self.predictor(z2)
         t1, t2 = isolate.stop_gradient((z1, z2)) if self.stop_gradient else (z1, z2)
         loss = -(F.cosine_similarity(p1, t2).mean() + F.cosine_similarity(p2, t1).mean()) / 2
+        self.isolation_losses = {"simsiam": loss}  # for the stop_gradient contract
         std = normalized_std(z1)
         # Per step and per epoch (``*_step``, ``*_epoch`` in the logger).
         log: dict[str, Any] = {"on_step": True, "on_epoch": True, "sync_dist": True}

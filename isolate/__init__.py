@@ -8,6 +8,7 @@ The package has three layers, each importing only the ones below it:
 * the toolkit, at the root. *Do*: :mod:`isolate.freezing`, :mod:`isolate.detaching`,
   :mod:`isolate.cloning`. *Prove*: :mod:`isolate.reachability` (what a loss reaches),
   :mod:`isolate.cutoff` (what no loss reaches), :mod:`isolate.gradients` (how much),
+  :mod:`isolate.ledger` (all of it, one row per parameter),
   :mod:`isolate.drift` and :mod:`isolate.fingerprints` (what moved), :mod:`isolate.exposure`
   (what an optimizer moves), :mod:`isolate.testing` (pytest helpers). Every exception is in
   :mod:`isolate.errors`.
@@ -28,6 +29,7 @@ from isolate.drift import snapshot
 from isolate.errors import IsolationError, IsolationWarning
 from isolate.freezing import Frozen, freeze, frozen
 from isolate.gradients import gradient_report
+from isolate.ledger import ledger
 from isolate.reachability import assert_isolated
 from isolate.spec import IsolationHandle, IsolationSpec, Thaw
 
@@ -48,6 +50,7 @@ __all__ = [
     "freeze",
     "frozen",
     "gradient_report",
+    "ledger",
     "scale_gradient",
     "snapshot",
     "stop_gradient",

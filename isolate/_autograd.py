@@ -6,7 +6,7 @@ Nothing is computed and nothing is freed: the graph stays intact for the real ba
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -127,7 +127,12 @@ def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
     )
 
 
-def walk(outputs: Sequence[torch.Tensor], caller: str) -> Walk:
+def walk(
+    outputs: Sequence[torch.Tensor],
+    caller: str,
+    *,
+    stop: Callable[[Node], bool] | None = None,
+) -> Walk:
     """Walk every node reachable from ``outputs`` once, with a queue (no recursion).
 
     Breadth-first rather than depth-first: the cost is the same (each node and edge once),
@@ -139,6 +144,9 @@ def walk(outputs: Sequence[torch.Tensor], caller: str) -> Walk:
     Raises:
         BlindSpotError: a reentrant segment cannot be re-run, or a compiled region's
             backward graph cannot be read.
+    A node for which ``stop`` is true is recorded but not walked through: what lies only
+    behind it counts as not reached (a route through a module that is allowed, a gradient
+    scale).
     """
     found = Walk()
     see = SeeThrough(caller)
@@ -156,6 +164,8 @@ def walk(outputs: Sequence[torch.Tensor], caller: str) -> Walk:
         variable = _accumulated(node)
         if variable is not None:  # the end of a path
             found.leaves[id(variable)] = variable
+            continue
+        if stop is not None and stop(node):
             continue
         for child, output in see.edges(node):
             if child is None:

@@ -1,18 +1,104 @@
 """Holding a module in a mode through ``model.train()``: a stack of policies per module,
-enforced by a forward pre-hook that travels with the module (copies, pickles, ``torch.save``).
+enforced by a forward pre-hook that travels with the module (copies, pickles, ``torch.save``),
+and which modules a mode matters to (:func:`reads_training`).
 """
 
 from __future__ import annotations
 
+import dis
+import functools
+import inspect
+import types
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["ModeHold", "find_hold", "pop_hold", "push_hold"]
+__all__ = [
+    "READS_TRAINING",
+    "ModeHold",
+    "find_hold",
+    "held_policy",
+    "pop_hold",
+    "push_hold",
+    "reads_training",
+]
+
+READS_TRAINING = "isolate_reads_training"
+"""A class attribute by which a module declares whether its forward depends on ``.training``
+(``True`` or ``False``); it overrides what :func:`reads_training` reads from the code."""
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # nested functions, comprehensions, lambdas
+            yield from _codes(const)
+
+
+def _own_attributes(code: types.CodeType, owner: str) -> Iterator[str]:
+    """The attributes ``code`` reads off ``owner`` (``self.training``, ``self._helper``)."""
+    previous: dis.Instruction | None = None
+    for ins in dis.get_instructions(code):
+        if (
+            ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and previous is not None
+            and previous.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_FAST_CHECK")
+            and previous.argval == owner
+        ):
+            yield str(ins.argval)
+        previous = ins
+
+
+def _method_code(cls: type, name: str) -> types.CodeType | None:
+    value = inspect.getattr_static(cls, name, None)
+    func = inspect.unwrap(value) if callable(value) else None
+    code = getattr(func, "__code__", None)
+    return code if isinstance(code, types.CodeType) and code.co_varnames else None
+
+
+@functools.cache
+def _class_reads_training(cls: type) -> bool:
+    # forward and the methods it calls on self, transitively: torch's InstanceNorm reads the
+    # flag in a helper that forward calls. Methods that forward does not call (an export
+    # that saves and restores the mode) do not count.
+    pending, seen = ["forward"], set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        code = _method_code(cls, name)
+        if code is None or getattr(nn.Module, name, None) is getattr(cls, name, None):
+            continue  # not a Python method, or nn.Module's own (_call_impl, ...)
+        for inner in _codes(code):
+            names = set(_own_attributes(inner, code.co_varnames[0]))
+            if "training" in names:
+                return True
+            pending.extend(names - seen)
+    return False
+
+
+def reads_training(module: nn.Module) -> bool:
+    """Whether ``module``'s behaviour depends on its mode: dropout, drop path and stochastic
+    depth, BatchNorm and InstanceNorm with running statistics, RNN dropout, attention.
+
+    A class declares it with the attribute :data:`READS_TRAINING`; otherwise the answer is
+    read from the code of the methods its class defines (any that reads ``.training``), so a
+    module whose forward calls a free function that reads the flag of *another* module must
+    declare it.
+
+    >>> [reads_training(m) for m in (nn.Dropout(), nn.BatchNorm1d(2), nn.Linear(2, 2))]
+    [True, True, False]
+    """
+    declared = getattr(type(module), READS_TRAINING, None)
+    if isinstance(declared, bool):
+        return declared
+    return _class_reads_training(type(module))  # type: ignore[arg-type]
 
 
 class ModeHold:
-    """The stack of BatchNorm policies pushed on one module, and the forward pre-hook that
+    """The stack of mode policies pushed on one module, and the forward pre-hook that
     enforces the top one.
 
     The object *is* the hook and lives only in the module's ``_forward_pre_hooks``, so it
@@ -36,6 +122,14 @@ def find_hold(module: nn.Module) -> tuple[int, ModeHold] | None:
         if isinstance(hook, ModeHold):
             return key, hook
     return None
+
+
+def held_policy(module: nn.Module) -> str | None:
+    """The policy that holds ``module`` now (``"eval"`` or ``"train"``), or ``None``."""
+    found = find_hold(module)
+    if found is None or not found[1].stack:
+        return None
+    return found[1].stack[-1][1]
 
 
 def push_hold(module: nn.Module, seq: int, policy: str) -> None:

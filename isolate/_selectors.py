@@ -12,6 +12,7 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
+from isolate._holding import reads_training
 from isolate._walker import Tree
 from isolate.errors import IsolationTypeError, SelectorError
 
@@ -52,10 +53,16 @@ _NOT = "!"
 
 @dataclass
 class Selection:
-    """Parameters and BatchNorm modules picked out of a model, in model order, without repeats."""
+    """Parameters and BatchNorm modules picked out of a model, in model order, without repeats;
+    with ``select(..., modes=True)`` also every module whose forward reads ``.training``."""
 
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     norms: dict[str, nn.modules.batchnorm._BatchNorm] = field(default_factory=dict)
+    modes: dict[str, nn.Module] = field(default_factory=dict)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
 def check_module(obj: object, caller: str, what: str = "model") -> nn.Module:
@@ -185,9 +192,11 @@ def _norms_covered(
     selectors: tuple[Selector, ...],
     chosen: set[int],
     caller: str,
-) -> dict[str, nn.modules.batchnorm._BatchNorm]:
-    """The BatchNorm layers a selection covers: all their parameters are selected, or (for
-    layers without affine parameters) a module, name, type or glob selector covers their place."""
+    candidate: Callable[[nn.Module], bool] = _is_norm,
+) -> dict[str, nn.Module]:
+    """The ``candidate`` layers (BatchNorm by default) a selection covers: all their
+    parameters are selected, or (for layers without parameters: a BatchNorm without affine, a
+    dropout) a module, name, type or glob selector covers their place."""
     under: set[int] = set()
     for selector in selectors:
         if isinstance(selector, nn.Module):
@@ -198,23 +207,46 @@ def _norms_covered(
     names = [s for s in selectors if isinstance(s, str) and not _is_type(s) and not _is_glob(s)]
     globs = [s for s in selectors if _is_glob(s)]
     glob = _glob_match([str(g) for g in globs]) if globs else None
-    norms: dict[str, nn.modules.batchnorm._BatchNorm] = {}
+    norms: dict[str, nn.Module] = {}
     seen: set[int] = set()
     for name, module in tree.modules:
-        if not isinstance(module, nn.modules.batchnorm._BatchNorm) or id(module) in seen:
+        if id(module) in seen or not candidate(module):
             continue
         seen.add(id(module))
         own = [p for p in module._parameters.values() if p is not None]
         base = name + "." if name else ""
+        places = [base + b for b in module._buffers] or ([] if own else [name])
         if (
             not selectors
             or (own and all(id(p) in chosen for p in own))
             or id(module) in under
             or any(name == s or name.startswith(s + ".") for s in names)
-            or (glob is not None and any(glob(base + b) for b in module._buffers))
+            or (glob is not None and any(glob(place) for place in places))
         ):
             norms[name] = module
     return norms
+
+
+def _covered(
+    model: nn.Module,
+    tree: Tree,
+    picking: tuple[Selector, ...],
+    excluded: list[str],
+    chosen: set[int],
+    removed: set[int],
+    caller: str,
+    candidate: Callable[[nn.Module], bool],
+) -> dict[str, nn.Module]:
+    """The ``candidate`` layers the selection covers, net of what its exclusions cover."""
+    found = _norms_covered(model, tree, picking, chosen, caller, candidate)
+    if not excluded:
+        return found
+    out = _norms_covered(model, tree, tuple(excluded), removed, caller, candidate)
+    return {
+        n: m
+        for n, m in found.items()
+        if n not in out and not any(id(p) in removed for p in m.parameters(recurse=False))
+    }
 
 
 def _picked(model: nn.Module, selectors: tuple[Selector, ...], tree: Tree, caller: str) -> set[int]:
@@ -262,8 +294,14 @@ def _split(selectors: tuple[Selector, ...], caller: str) -> tuple[tuple[Selector
     return picking, excluded
 
 
-def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Selection:
+def select(
+    model: nn.Module, selectors: tuple[Selector, ...], caller: str, *, modes: bool = False
+) -> Selection:
     """Resolve ``selectors`` against ``model``; raise before anything is changed.
+
+    With ``modes=True`` the selection also lists, in ``modes``, every module it covers whose
+    behaviour depends on its mode (:func:`isolate._holding.reads_training`): what
+    ``freeze(..., mode="eval")`` holds.
 
     No selector means the whole model, and so do exclusions alone. A selector that picks
     nothing, or an exclusion that takes nothing out, is an error that lists what the model
@@ -317,15 +355,10 @@ def select(model: nn.Module, selectors: tuple[Selector, ...], caller: str) -> Se
             first.setdefault(i, name)
         rows = [(n, p, i) for n, p, i in rows if first[i] == n]
     selection.params = {name: p for name, p, i in rows if i in chosen}
-    norms = _norms_covered(model, tree, picking, chosen, caller)
-    if excluded:
-        out = _norms_covered(model, tree, tuple(excluded), removed, caller)
-        norms = {
-            n: m
-            for n, m in norms.items()
-            if n not in out and not any(id(p) in removed for p in m.parameters(recurse=False))
-        }
-    selection.norms.update(norms)
+    args = (model, tree, picking, excluded, chosen, removed, caller)
+    selection.norms.update(_covered(*args, _is_norm))  # type: ignore[arg-type]
+    if modes:
+        selection.modes = _covered(*args, reads_training)
     return selection
 
 

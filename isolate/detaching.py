@@ -13,7 +13,7 @@ from isolate._tree import check_structure, map_tensors
 from isolate._wrapping import Wrapper
 from isolate.errors import InplaceModificationError, IsolationTypeError
 
-__all__ = ["Detached", "GradientScale", "scale_gradient", "stop_gradient"]
+__all__ = ["Detached", "GradientScale", "gradient_scale_of", "scale_gradient", "stop_gradient"]
 
 InplacePolicy = Literal["error", "copy"]
 
@@ -209,6 +209,21 @@ class _ScaleGradientFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _scaled(grad, ctx.alpha), None
+
+
+def gradient_scale_of(node: object) -> float | None:
+    """The factor of the autograd node of a :func:`scale_gradient` (or
+    :class:`GradientScale`), or ``None`` for any other node: how graph audits tell a gradient
+    reversal from the operations around it.
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> gradient_scale_of(scale_gradient(x * 2, -0.5).grad_fn), gradient_scale_of((x * 2).grad_fn)
+    (-0.5, None)
+    """
+    forward = getattr(type(node), "_forward_cls", None)
+    if forward in (_ScaleGradient, _ScaleGradientFunc):
+        return float(node.alpha)  # type: ignore[attr-defined]
+    return None
 
 
 def _scaled(grad: torch.Tensor, alpha: float) -> torch.Tensor:

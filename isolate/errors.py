@@ -16,6 +16,7 @@ __all__ = [
     "CertificateError",
     "CheckpointMismatchError",
     "CheckpointReadError",
+    "ContractError",
     "CutOffError",
     "DriftError",
     "GradientLeakError",
@@ -79,6 +80,11 @@ class RankDivergenceError(DriftError):
 
 class CutOffError(IsolationError, AssertionError):
     """Trainable parameters get no gradient from any loss: they will never learn."""
+
+
+class ContractError(IsolationError, AssertionError):
+    """A method's contract does not hold: the message names the contract, the clause that
+    failed and the tensors it failed for (see :mod:`isolate.spec.contracts`)."""
 
 
 class BlindSpotError(IsolationError, RuntimeError):

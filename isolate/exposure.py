@@ -18,6 +18,7 @@ from torch import nn
 from isolate.errors import IsolationTypeError
 
 __all__ = [
+    "MOMENTUM_STATE",
     "Exposure",
     "optimizer_exposure",
     "steps_without_grad",
@@ -25,7 +26,8 @@ __all__ = [
     "zero_grad_risks",
 ]
 
-_MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
+MOMENTUM_STATE = ("momentum_buffer", "exp_avg")
+"""Optimizer state that keeps moving a parameter: a momentum buffer, or Adam's first moment."""
 
 
 def _nonzero(t: torch.Tensor) -> bool:
@@ -103,7 +105,7 @@ def zero_grad_risks(
     if not rows:  # SparseAdam steps only the rows its gradient stores
         grad = param.grad
         rows = grad is not None and (grad.layout == torch.strided or grad._nnz() > 0)
-    for key in _MOMENTUM_STATE:
+    for key in MOMENTUM_STATE:
         value = state.get(key)
         if rows and isinstance(value, torch.Tensor) and _nonzero(value):
             reasons.append(f"optimizer state {key!r} is non-zero and keeps moving it")

@@ -1,9 +1,10 @@
 """Freezing parameter subsets, with an exact undo.
 
 ``freeze`` / ``unfreeze`` change ``requires_grad`` (and, by policy, the mode of BatchNorm
-layers) and return a :class:`FreezeHandle` whose ``restore()`` writes back exactly what was
-there; ``frozen`` / ``unfrozen`` are their context-manager forms and :class:`Frozen` their
-module twin.
+layers, or with ``mode=`` of every module whose behaviour depends on its mode) and return a
+:class:`FreezeHandle` whose ``restore()`` writes back exactly what was there; ``frozen`` /
+``unfrozen`` are their context-manager forms and :class:`Frozen` their module twin;
+:func:`held_in_eval` says which modules a hold keeps in eval mode.
 """
 
 from __future__ import annotations
@@ -19,16 +20,26 @@ import torch
 from torch import nn
 
 from isolate._flags import check_params, write_flags
-from isolate._holding import pop_hold, push_hold
+from isolate._holding import held_policy, pop_hold, push_hold
 from isolate._selectors import Selector, check_module, select
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
 from isolate.errors import IsolationWarning, RestoreError, SelectorError
 from isolate.exposure import Exposure, optimizer_exposure, unwrap_optimizer
 
-__all__ = ["FreezeHandle", "Frozen", "freeze", "frozen", "is_frozen", "unfreeze", "unfrozen"]
+__all__ = [
+    "FreezeHandle",
+    "Frozen",
+    "freeze",
+    "frozen",
+    "held_in_eval",
+    "is_frozen",
+    "unfreeze",
+    "unfrozen",
+]
 
 BNPolicy = Literal["eval", "train"]
+Mode = Literal["eval", "train"]
 _BN_POLICIES = ("eval", "train")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -80,7 +91,8 @@ class FreezeHandle:
         model: the module the selection was resolved against (named in messages).
         caller: how messages name the call (``"freeze()"``).
         params: the selected parameters, by name.
-        norms: the BatchNorm layers whose policy to set, by name.
+        norms: the layers whose mode policy to set, by name: BatchNorm layers, or (for
+            ``mode=``) every module whose behaviour depends on its mode.
         requires_grad: the flag to set.
         bn: ``"eval"`` holds the layers in eval mode; ``"train"`` lets them follow the
             model's mode.
@@ -100,6 +112,8 @@ class FreezeHandle:
     Attributes:
         names: the parameter names the call selected, in model order.
         norms: the BatchNorm layers whose policy the call set, by name.
+        held: every layer whose policy the call set, by name (the BatchNorm layers, and with
+            ``mode=`` the dropout, drop-path, ... layers too).
         exposures: with ``freeze(..., optimizer=...)``, the frozen parameters that optimizer
             holds in a param group where a zero-filled ``.grad`` would still move them.
 
@@ -127,7 +141,10 @@ class FreezeHandle:
         self._model_name = type(model).__name__
         self.names: tuple[str, ...] = tuple(params)
         self.exposures: tuple[Exposure, ...] = ()
-        self.norms: tuple[str, ...] = tuple(norms)
+        self.held: tuple[str, ...] = tuple(norms)
+        self.norms: tuple[str, ...] = tuple(
+            n for n, m in norms.items() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        )
         # Parallel lists, not (p, flag) tuples: 10,000 small tuples cost more (allocation and
         # the garbage collections they trigger) than the flag flips themselves.
         self._params = values
@@ -213,9 +230,11 @@ class FreezeHandle:
 
     def __repr__(self) -> str:
         state = "active" if self._active else "restored"
+        others = len(self.held) - len(self.norms)
+        more = f", {others} other mode-dependent layers" if others else ""
         return (
             f"FreezeHandle({self._caller.rstrip('()')} on {self._model_name}: "
-            f"{len(self.names)} parameters, {len(self.norms)} BatchNorm layers, {state})"
+            f"{len(self.names)} parameters, {len(self.norms)} BatchNorm layers{more}, {state})"
         )
 
 
@@ -227,11 +246,44 @@ def _check_bn(bn: object, caller: str) -> str:
     return str(bn)
 
 
+def _policy(mode: object, bn: object, default: str, caller: str) -> tuple[str, bool]:
+    """The policy to push, and whether it goes on every mode-dependent layer (``mode=``) or
+    on the BatchNorm layers only (``bn=``, the older and narrower spelling)."""
+    if mode is None:
+        return _check_bn(default if bn is None else bn, caller), False
+    if bn is not None:
+        raise SelectorError(
+            f"{caller}: give mode= (every layer whose behaviour depends on its mode) or bn= "
+            f"(BatchNorm layers only), not both; got mode={mode!r}, bn={bn!r}"
+        )
+    if mode not in _BN_POLICIES:
+        raise SelectorError(
+            f"{caller}: mode={mode!r} is not a mode; expected one of {list(_BN_POLICIES)}"
+        )
+    return str(mode), True
+
+
+def held_in_eval(model: nn.Module) -> tuple[str, ...]:
+    """The names of the modules of ``model`` that a freeze holds in eval mode now (their
+    forward runs in eval mode whatever ``model.train()`` or Lightning set).
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(), nn.BatchNorm1d(2))
+    >>> with frozen(model, mode="eval"):
+    ...     held_in_eval(model)
+    ('1', '2')
+    >>> held_in_eval(model)
+    ()
+    """
+    check_module(model, "held_in_eval()")
+    return tuple(n for n, m in model.named_modules() if held_policy(m) == "eval")
+
+
 @_outside_compile
 def freeze(
     model: nn.Module,
     *selectors: Selector,
-    bn: BNPolicy = "eval",
+    mode: Mode | None = None,
+    bn: BNPolicy | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> FreezeHandle:
     """Stop the selected parameters from learning and return the undo.
@@ -244,10 +296,18 @@ def freeze(
         *selectors: which parameters: submodules, dotted module names (``"trunk"``), globs
             over parameter names (``"trunk.*"``, ``"*.bias"``), parameters, or predicates
             ``fn(name, parameter) -> bool``. None means the whole model.
-        bn: the policy for BatchNorm layers within the selection. ``"eval"`` holds them in
-            eval mode, so their running statistics stay fixed even when a parent module or
+        mode: the mode to hold the selection in, as a whole: ``"eval"`` holds every module
+            within it whose behaviour depends on its mode in eval mode (dropout, drop path
+            and stochastic depth, BatchNorm and InstanceNorm statistics, RNN and attention
+            dropout, and any module whose forward reads ``.training``, or that declares so
+            with the class attribute ``isolate_reads_training = True``), so a frozen part
+            computes deterministic features; ``"train"`` lets them all follow the model's
+            mode. ``None``: only BatchNorm layers get a policy, ``bn``'s.
+        bn: the policy for BatchNorm layers within the selection, when ``mode`` is not given
+            (the narrower, older spelling; the default is ``"eval"``). ``"eval"`` holds them
+            in eval mode, so their running statistics stay fixed even when a parent module or
             Lightning calls ``.train()``; ``"train"`` lets them follow the model's mode and
-            update their statistics.
+            update their statistics. Give ``mode`` or ``bn``, not both.
         optimizer: an optimizer to check: frozen parameters it still holds in a param group
             with weight decay or momentum are listed in the handle's ``exposures`` and in an
             :class:`~isolate.errors.IsolationWarning`, since a zero-filled ``.grad`` would
@@ -257,7 +317,8 @@ def freeze(
         A :class:`FreezeHandle`; its ``restore()`` puts back exactly what was there.
 
     Raises:
-        SelectorError: a selector matched nothing or is malformed; nothing was changed.
+        SelectorError: a selector matched nothing or is malformed, or both ``mode`` and ``bn``
+            are given; nothing was changed.
         IsolationTypeError: ``model`` is not a module, a selector has the wrong type,
             ``optimizer`` is not an optimizer, or a selected parameter is an uninitialized
             lazy parameter (run one forward first) or was created under
@@ -265,11 +326,14 @@ def freeze(
 
     Note:
         ``requires_grad=False`` alone does not freeze BatchNorm running statistics, which is
-        why ``bn="eval"`` is the default. Optimizers still move parameters whose ``.grad`` is
-        a zero tensor (weight decay, momentum); ``freeze`` sets ``.grad`` to ``None`` so they
-        don't, but a parameter frozen *after* an optimizer step may still carry momentum
-        state. DDP only syncs parameters that required grad when it was built: freeze before
-        wrapping.
+        why ``bn="eval"`` is the default; nor does it stop a frozen part's dropout, which
+        keeps its features random in training: ``mode="eval"`` holds that too. A hold is a
+        forward pre-hook, not an override of ``train()``: it survives a parent's ``.train()``
+        and Lightning's loops, which assign ``module.training`` directly. Optimizers still
+        move parameters whose ``.grad`` is a zero tensor (weight decay, momentum); ``freeze``
+        sets ``.grad`` to ``None`` so they don't, but a parameter frozen *after* an optimizer
+        step may still carry momentum state. DDP only syncs parameters that required grad
+        when it was built: freeze before wrapping.
 
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
     >>> handle = freeze(model, "0", "1")
@@ -278,14 +342,19 @@ def freeze(
     >>> handle.restore()
     >>> all(p.requires_grad for p in model.parameters())
     True
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    >>> with frozen(net, mode="eval"):
+    ...     torch.equal(net.train()(torch.ones(1, 2)), net(torch.ones(1, 2)))
+    True
     """
     caller = "freeze()"
     check_module(model, caller)
-    policy = _check_bn(bn, caller)
+    policy, whole = _policy(mode, bn, "eval", caller)
     if optimizer is not None:
         unwrap_optimizer(optimizer, caller)
-    selection = select(model, selectors, caller)
-    handle = FreezeHandle(model, caller, selection.params, dict(selection.norms), False, policy)
+    selection = select(model, selectors, caller, modes=whole)
+    layers = selection.modes if whole else selection.norms
+    handle = FreezeHandle(model, caller, selection.params, dict(layers), False, policy)
     if optimizer is not None:
         chosen = set(handle.names)
         try:
@@ -317,15 +386,22 @@ def freeze(
 
 
 @_outside_compile
-def unfreeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "train") -> FreezeHandle:
+def unfreeze(
+    model: nn.Module,
+    *selectors: Selector,
+    mode: Mode | None = None,
+    bn: BNPolicy | None = None,
+) -> FreezeHandle:
     """Let the selected parameters learn again and return the undo.
 
-    The opposite of :func:`freeze`, with the same selectors. With ``bn="train"`` (the
-    default) BatchNorm layers in the selection follow the model's mode again, even where an
-    earlier :func:`freeze` held them in eval mode.
+    The opposite of :func:`freeze`, with the same selectors. By default (``bn="train"``)
+    BatchNorm layers in the selection follow the model's mode again, even where an earlier
+    :func:`freeze` held them in eval mode; ``mode="train"`` does so for every mode-dependent
+    layer (undoing an earlier ``freeze(..., mode="eval")``).
 
     Raises:
-        SelectorError: a selector matched nothing or is malformed; nothing was changed.
+        SelectorError: a selector matched nothing or is malformed, or both ``mode`` and
+            ``bn`` are given; nothing was changed.
         IsolationTypeError: a selected parameter is not floating point, so autograd cannot
             track it.
 
@@ -340,16 +416,18 @@ def unfreeze(model: nn.Module, *selectors: Selector, bn: BNPolicy = "train") -> 
     """
     caller = "unfreeze()"
     check_module(model, caller)
-    policy = _check_bn(bn, caller)
-    selection = select(model, selectors, caller)
-    return FreezeHandle(model, caller, selection.params, dict(selection.norms), True, policy)
+    policy, whole = _policy(mode, bn, "train", caller)
+    selection = select(model, selectors, caller, modes=whole)
+    layers = selection.modes if whole else selection.norms
+    return FreezeHandle(model, caller, selection.params, dict(layers), True, policy)
 
 
 @contextlib.contextmanager
 def frozen(
     model: nn.Module,
     *selectors: Selector,
-    bn: BNPolicy = "eval",
+    mode: Mode | None = None,
+    bn: BNPolicy | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Iterator[FreezeHandle]:
     """Context-manager form of :func:`freeze`: restores on exit, exceptions included.
@@ -361,7 +439,7 @@ def frozen(
     >>> model[0].weight.requires_grad
     True
     """
-    handle = freeze(model, *selectors, bn=bn, optimizer=optimizer)
+    handle = freeze(model, *selectors, mode=mode, bn=bn, optimizer=optimizer)
     try:
         yield handle
     finally:
@@ -371,10 +449,13 @@ def frozen(
 
 @contextlib.contextmanager
 def unfrozen(
-    model: nn.Module, *selectors: Selector, bn: BNPolicy = "train"
+    model: nn.Module,
+    *selectors: Selector,
+    mode: Mode | None = None,
+    bn: BNPolicy | None = None,
 ) -> Iterator[FreezeHandle]:
     """Context-manager form of :func:`unfreeze`: restores on exit, exceptions included."""
-    handle = unfreeze(model, *selectors, bn=bn)
+    handle = unfreeze(model, *selectors, mode=mode, bn=bn)
     try:
         yield handle
     finally:

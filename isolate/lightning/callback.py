@@ -19,6 +19,8 @@ from isolate.errors import (
     IsolationWarning,
     SpecError,
 )
+from isolate.freezing import held_in_eval
+from isolate.ledger import Ledger, ledger
 from isolate.lightning.checkpoint import SavedState
 from isolate.lightning.metrics import grad_norms, log_figure
 from isolate.lightning.strategies import (
@@ -46,6 +48,8 @@ _DEFAULTS: dict[str, Any] = {
     "thaw": None,
     "protect": None,
     "frozen_in_optimizer": "remove",
+    "mode": None,
+    "contracts": None,
 }
 
 
@@ -73,8 +77,9 @@ class IsolationCallback(Callback):
 
     Args:
         spec: the :class:`~isolate.IsolationSpec`; or give its keywords instead.
-        freeze, detach, clone, bn, thaw, protect, frozen_in_optimizer: the keywords of
-            :class:`~isolate.IsolationSpec` (``thaw`` items may be :class:`ThawKeys` mappings).
+        freeze, detach, clone, bn, thaw, protect, frozen_in_optimizer, mode, contracts: the
+            keywords of :class:`~isolate.IsolationSpec` (``thaw`` items may be
+            :class:`ThawKeys` mappings, ``contracts`` items mappings with a ``kind``).
         verify_every_n_steps: how often to check, in optimizer steps (step 0 included);
             ``0`` turns the periodic checks and gradient-norm logging off.
         on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` with an
@@ -91,6 +96,10 @@ class IsolationCallback(Callback):
         drift: how frozen tensors are watched: ``"fingerprint"`` (O(number of tensors) host
             memory, any changed bit caught) or ``"copy"`` (a host copy of the frozen part; the
             report gives the size of a change).
+        ledger: print :func:`isolate.ledger.ledger` of the model once, at the first training
+            step (when the first losses exist; on rank zero, as ``ModelSummary`` prints at fit
+            start), and log its summary (``isolation/ledger/*``); it is kept in
+            :attr:`ledger`. The contracts' verdicts of the fit are kept in :attr:`verdicts`.
 
     Raises:
         SpecError: (at construction) an argument has the wrong type or value; (at setup and
@@ -143,12 +152,15 @@ class IsolationCallback(Callback):
         thaw: list[Thaw | ThawKeys] | None = None,
         protect: dict[str, list[str]] | None = None,
         frozen_in_optimizer: Literal["remove", "error"] = "remove",
+        mode: Literal["eval", "train"] | None = None,
+        contracts: list[dict[str, Any]] | None = None,
         verify_every_n_steps: int = 50,
         on_violation: Literal["raise", "warn"] = "raise",
         log_grad_norms: bool = True,
         log_figures: bool = False,
         drift: Literal["fingerprint", "copy"] = "fingerprint",
         expected_unused: list[str] | None = None,
+        ledger: bool = True,
     ) -> None:
         super().__init__()
         given = {
@@ -159,6 +171,8 @@ class IsolationCallback(Callback):
             "thaw": thaw,
             "protect": protect,
             "frozen_in_optimizer": frozen_in_optimizer,
+            "mode": mode,
+            "contracts": contracts,
         }
         self.spec = _spec(spec, {k: v for k, v in given.items() if v != _DEFAULTS[k]})
         self.cadence = Cadence.checked(verify_every_n_steps, expected_unused, on_violation, _CALLER)
@@ -167,6 +181,9 @@ class IsolationCallback(Callback):
         self.log_grad_norms = bool(log_grad_norms)
         self.log_figures = bool(log_figures)
         self.drift: Literal["fingerprint", "copy"] = drift
+        self.print_ledger = bool(ledger)
+        self.ledger: Ledger | None = None
+        self.verdicts: dict[str, Any] = {}  # the contracts' verdicts of the last fit
         self.handle: IsolationHandle | None = None
         self.saved = SavedState(_CALLER)
         self._modes: list[tuple[nn.Module, bool]] = []
@@ -192,6 +209,7 @@ class IsolationCallback(Callback):
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         self.handle = apply_spec(self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift)
+        self.verdicts = self.handle.contracts.verdicts  # updated in place, kept after teardown
         cadence = self.cadence
         self.handle.check_every(
             cadence.every,
@@ -259,6 +277,8 @@ class IsolationCallback(Callback):
             self._restore()
             raise
         _warn_on_norm_clipping(trainer, self.spec.detach)
+        _explain_eval_modes(pl_module)
+        self.ledger = None
         self.handle.verify(
             checks=("ranks",), on_violation=self.cadence.on_violation, when="at fit start"
         )
@@ -298,6 +318,8 @@ class IsolationCallback(Callback):
         if self.handle is None:
             return
         losses = _take_losses(pl_module)
+        if self.print_ledger and self.ledger is None:
+            self.ledger = _print_ledger(trainer, pl_module, self.handle, losses, loss)
         if self.handle.loop.checking and losses:
             _check_named(pl_module, losses, self.spec.protect)
         self.handle.loop.before_backward(loss, losses if self.handle.loop.checking else None)
@@ -370,6 +392,46 @@ class IsolationCallback(Callback):
         except IsolationError:
             self._restore()
             raise
+
+
+def _explain_eval_modes(pl_module: pl.LightningModule) -> None:
+    """Say which of the modules Lightning is about to report in eval mode the spec holds."""
+    held = set(held_in_eval(pl_module))
+    in_eval = [n or "<root>" for n, m in pl_module.named_modules() if not m.training]
+    ours = [n for n in in_eval if n in held]
+    if not ours:
+        return
+    rest = [n for n in in_eval if n not in held]
+    shown = ", ".join(ours[:5]) + (f" and {len(ours) - 5} more" if len(ours) > 5 else "")
+    others = (
+        f"; the other {len(rest)} are in eval mode for another reason: {', '.join(rest[:5])}"
+        if rest
+        else ""
+    )
+    rank_zero_info(
+        f"{_CALLER}: {len(ours)} of the {len(in_eval)} module(s) Lightning finds in eval mode at "
+        f"the start of training are held there by the spec (a frozen part in eval mode, "
+        f"through model.train()): {shown}{others}"
+    )
+
+
+def _print_ledger(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    handle: IsolationHandle,
+    losses: object,
+    loss: torch.Tensor,
+) -> Ledger:
+    """Print the ledger on rank zero and log its summary; returns it."""
+    named = dict(losses) if isinstance(losses, Mapping) else {}
+    book = ledger(pl_module, {**named, "total": loss}, list(trainer.optimizers), spec=handle)
+    rank_zero_info(
+        f"{_CALLER}: the parameters at step {trainer.global_step}\n{book.format(limit=40)}"
+    )
+    summary = {f"isolation/ledger/{k}": v for k, v in book.summary().items() if v is not None}
+    for logger in trainer.loggers:
+        logger.log_metrics(summary, step=trainer.global_step)
+    return book
 
 
 def _warn_unvalidated(handle: IsolationHandle, trainer: pl.Trainer) -> None:

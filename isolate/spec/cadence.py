@@ -21,7 +21,7 @@ from isolate.spec.ranks import world_size
 
 __all__ = ["CHECKS", "Cadence", "Due", "Loop"]
 
-CHECKS = ("losses", "reach", "drift", "flags", "optimizers", "ranks")
+CHECKS = ("losses", "reach", "drift", "flags", "optimizers", "ranks", "contracts")
 """What :meth:`~isolate.spec.handle.IsolationHandle.verify` can check."""
 
 
@@ -119,18 +119,22 @@ class Cadence:
         if not self.checking or not losses:
             return Due((), "")
         self._losses_seen = True
-        return Due(("losses", *many_ranks()), f"at step {self._step}")
+        return Due(("losses", "contracts", *many_ranks()), f"at step {self._step}")
 
-    def end(self, protect: Mapping[str, object] | None, caller: str) -> Due:
+    def end(
+        self, protect: Mapping[str, object] | None, caller: str, contracts: Collection[str] = ()
+    ) -> Due:
         """The checks due at the end of the step (one verification, so that with ``ranks``
         every rank reaches one verdict on all of it); the step's state is cleared.
 
         Raises:
-            SpecError: ``protect`` names losses, but this check step received none.
+            SpecError: ``protect`` or the ``contracts`` name losses, but this check step
+                received none.
         """
-        if self.checking and protect and not self._losses_seen:
+        if self.checking and (protect or contracts) and not self._losses_seen:
+            what = "protect names" if protect else "the contracts read"
             raise SpecError(
-                f"{caller}: protect names the losses {sorted(protect)}, but "
+                f"{caller}: {what} the losses {sorted({*(protect or ()), *contracts})}, but "
                 + self.losses_hint.format(step=self._check_step)
             )
         checks: tuple[str, ...] = ()
@@ -138,7 +142,7 @@ class Cadence:
         if self._reach and self._totals:
             checks = ("reach", *many_ranks())
         if self.checking:
-            checks = (*checks, "drift", "flags", "optimizers", "ranks")
+            checks = (*checks, "drift", "flags", "optimizers", "contracts", "ranks")
             when = f"at step {self._check_step}"
         elif self._after_thaw is not None:
             when = when if checks else self._after_thaw  # reach on the thaw's step says so
@@ -154,6 +158,8 @@ class _Handle(Protocol):
 
     plan: Any
     caller: str
+    contracts: Any
+    position: dict[str, int]
 
     def due(self, *, epoch: int, step: int) -> list[str]: ...
 
@@ -220,6 +226,8 @@ class Loop:
         every = self.cadence.every
         checking = arm and bool(every) and step % every == 0
         thawed = self.handle.step(epoch=epoch, step=step, record=checking)
+        if self.handle.contracts.pending:  # windows closed over the step before: report them
+            self._verify(("contracts",), f"after step {step - 1}")
         self._thawed_unarmed += thawed
         if arm:
             self.cadence.begin(step, self._thawed_unarmed, epoch=epoch)
@@ -238,13 +246,16 @@ class Loop:
     def end_step(self) -> None:
         """After the optimizer step: the checks due now (reach, drift, flags, optimizers,
         ranks on a check step; reach on a thaw's first step; ranks after a thaw)."""
-        due = self.cadence.end(self.handle.plan.spec.protect, self.handle.caller)
+        due = self.cadence.end(
+            self.handle.plan.spec.protect, self.handle.caller, self.handle.contracts.losses
+        )
         if due.checks:
             self._verify(due.checks, due.when, total=list(due.total) or None)
 
     def finish(self) -> None:
-        """A last check of drift and ranks, at the end of training."""
-        self._verify(("drift", "ranks"), "at the end of training")
+        """A last check of drift, contracts and ranks, at the end of training."""
+        self.handle.contracts.finish(self.handle.position["global_step"] + 1)
+        self._verify(("drift", "contracts", "ranks"), "at the end of training")
 
     def _verify(
         self,

@@ -32,6 +32,7 @@ from isolate.errors import (
 from isolate.exposure import optimizer_exposure
 from isolate.reachability import assert_isolated
 from isolate.spec.branches import RECORD_LIMIT, Branches
+from isolate.spec.contract_checks import ContractWatch
 from isolate.spec.optimizers import find
 from isolate.spec.plan import Plan
 from isolate.spec.ranks import check_ranks, world_size
@@ -61,6 +62,7 @@ class Verification:
         flags: how many frozen parameters were checked to still have ``requires_grad=False``.
         optimizers: how many optimizers were searched for frozen parameters.
         ranks: the number of processes compared (1 outside a distributed run).
+        contracts: contract name -> how many of its clauses were checked.
         violations: the messages of the violations found (only with ``on_violation="warn"``;
             with ``"raise"`` the first one is raised).
     """
@@ -71,6 +73,7 @@ class Verification:
     flags: int = 0
     optimizers: int = 0
     ranks: int = 1
+    contracts: Mapping[str, int] = field(default_factory=dict)
     violations: tuple[str, ...] = ()
 
 
@@ -95,10 +98,13 @@ def watch(
             for b in m.buffers(recurse=False)
             if id(b) in plan.names.of_id
         ]
-        if plan.spec.bn == "eval"
+        if plan.spec.policy == "eval"
         else []
     )
-    return snapshot(plan.model, names=[*frozen, *buffers], copy=copy)
+    moving = plan.moving  # an EMA target is frozen to gradients, but moves by its rule
+    return snapshot(
+        plan.model, names=[n for n in [*frozen, *buffers] if n not in moving], copy=copy
+    )
 
 
 def check_drift(watched: Snapshot, when: str, caller: str) -> tuple[list[IsolationError], Snapshot]:
@@ -340,6 +346,7 @@ def run_checks(
     when: str,
     caller: str,
     thawed: Mapping[str, nn.Parameter] | None = None,
+    contracts: ContractWatch | None = None,
 ) -> tuple[Verification, list[IsolationError], Snapshot | None]:
     """Run the ``checks`` asked for; return what was checked, the violations found, and the
     snapshot to check drift against next time."""
@@ -369,6 +376,14 @@ def run_checks(
         found += check_flags(frozen, when, caller)
     if "optimizers" in checks:
         found += check_optimizers(frozen, optimizers, when, caller, thawed)
+    kept: dict[str, int] = {}
+    if "contracts" in checks and contracts:
+        totals = None if total is None else [total] if torch.is_tensor(total) else list(total)
+        # The named losses' check before backward leaves what the optimizer step may move
+        # (optimizers, modes, drift) to the check after the step.
+        state = "drift" in checks or "losses" not in checks
+        kept, broken = contracts.check(losses, totals, optimizers, when, state=state)
+        found = broken + found  # a method's clause says more than the generic check it implies
     ranks = world_size() if "ranks" in checks else 1
     if ranks > 1:  # every rank also learns what the others found: one verdict for all
         found += check_ranks(Names.of(plan.model).params, when, caller, found)
@@ -379,6 +394,7 @@ def run_checks(
         flags=len(frozen) if "flags" in checks else 0,
         optimizers=len(optimizers) if "optimizers" in checks else 0,
         ranks=ranks,
+        contracts=kept,
         violations=tuple(str(e) for e in found),
     )
     return verification, found, watched

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from isolate.errors import SpecError
 from isolate.spec._fields import check_plain, string_list, unknown_keys
+from isolate.spec.contracts import Contract, contracts_of
 from isolate.spec.thaw import BN, Thaw
 
 __all__ = ["SpecData"]
@@ -31,6 +32,8 @@ class SpecData:
     thaw: tuple[Thaw, ...] = ()
     protect: Mapping[str, tuple[str, ...]] | None = None
     frozen_in_optimizer: Literal["remove", "error"] = "remove"
+    mode: Literal["eval", "train"] | None = None
+    contracts: tuple[Contract, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -38,6 +41,14 @@ class SpecData:
             set_(self, key, string_list(getattr(self, key), key))
         if self.bn not in ("eval", "train"):
             raise SpecError(f"{_CALLER}: bn must be 'eval' or 'train', got {self.bn!r}")
+        if self.mode not in (None, "eval", "train"):
+            raise SpecError(f"{_CALLER}: mode must be 'eval', 'train' or null, got {self.mode!r}")
+        if self.mode == "eval" and self.bn == "train":
+            raise SpecError(
+                f"{_CALLER}: mode='eval' holds every mode-dependent layer of the frozen part in "
+                f"eval mode, BatchNorm included, but bn='train' lets BatchNorm train; drop one"
+            )
+        set_(self, "contracts", contracts_of(self.contracts, _CALLER))
         thaw: object = self.thaw
         if thaw is not None and (
             isinstance(thaw, (str, Mapping, Thaw)) or not isinstance(thaw, Sequence)
@@ -89,6 +100,11 @@ class SpecData:
             raise SpecError(f"{_CALLER}: protect{empty} select nothing; name what to protect")
         return checked
 
+    @property
+    def policy(self) -> BN:
+        """The mode the frozen part's held layers take: ``mode``, or else ``bn``'s."""
+        return self.mode or self.bn
+
     @classmethod
     def from_dict(cls: type[Self], mapping: Mapping[str, Any]) -> Self:
         """A spec from plain data, as read from YAML or JSON: the keys of the constructor.
@@ -122,6 +138,8 @@ class SpecData:
             if self.protect is None
             else {k: list(v) for k, v in self.protect.items()},
             "frozen_in_optimizer": self.frozen_in_optimizer,
+            "mode": self.mode,
+            "contracts": [c.to_dict() for c in self.contracts],
         }
 
     def prefixed(self: Self, prefix: str) -> Self:
@@ -151,6 +169,7 @@ class SpecData:
             step["select"] = _under(prefix, step["select"])
         if data["protect"] is not None:
             data["protect"] = {k: _under(prefix, v) for k, v in data["protect"].items()}
+        data["contracts"] = [c.prefixed(prefix).to_dict() for c in self.contracts]
         return type(self).from_dict(data)
 
     def __repr__(self) -> str:
@@ -168,6 +187,10 @@ class SpecData:
             parts.append(f"protect={ {k: list(v) for k, v in self.protect.items()} }")
         if self.frozen_in_optimizer != "remove":
             parts.append(f"frozen_in_optimizer={self.frozen_in_optimizer!r}")
+        if self.mode is not None:
+            parts.append(f"mode={self.mode!r}")
+        if self.contracts:
+            parts.append(f"contracts={[c.name for c in self.contracts]}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
 

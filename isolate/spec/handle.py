@@ -29,6 +29,7 @@ from isolate.spec.checks import (
     run_checks,
     watch,
 )
+from isolate.spec.contract_checks import ContractWatch
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
@@ -92,6 +93,7 @@ class IsolationHandle:
         self.drift: Literal["fingerprint", "copy"] = "fingerprint"
         self._watch: Snapshot | None = None
         self._active = False
+        self.contracts = ContractWatch(plan.contracts, plan.model, caller)
         self.loop = Loop(self, Cadence())
         self._stepped = False  # whether step() ever ran: the schedule is being driven
         self._guards: dict[int, RemovableHandle] = {}  # id(optimizer) -> its step pre-hook
@@ -108,7 +110,7 @@ class IsolationHandle:
                     plan.frozen,
                     dict(plan.norms),
                     False,
-                    plan.spec.bn,
+                    plan.spec.policy,
                 )
             self._branches.wrap(plan.wraps)
             self._watch = self._new_watch()
@@ -128,6 +130,7 @@ class IsolationHandle:
         for guard in self._guards.values():
             guard.remove()
         self._guards.clear()
+        self.contracts.restore()
         self._thaws.restore()
         self._branches.unwrap()
         if self._freeze is not None and self._freeze.active:
@@ -237,7 +240,8 @@ class IsolationHandle:
             step: the number of optimizer steps taken so far.
             record: whether ``detach`` branches record their inputs this step, for the
                 reachability check of :meth:`verify` (holding them costs their memory until the
-                next step).
+                next step), and whether the contracts check this step: they open their windows
+                (copies for an EMA) and record the modules they name.
 
         Returns:
             The names of the groups thawed by this call, in schedule order.
@@ -245,6 +249,7 @@ class IsolationHandle:
         self._require_active("step")
         self._stepped = True
         self.position.update(epoch=int(epoch), global_step=int(step))
+        self.contracts.begin(int(step), record=record)
         self._branches.reset(record=record)
         due = self.due(epoch=epoch, step=step)
         for name in due:
@@ -280,7 +285,8 @@ class IsolationHandle:
         on_violation: Literal["raise", "warn"] = "raise",
         when: str | None = None,
     ) -> Verification:
-        """Prove the spec holds now: reach of the named losses, drift, flags, optimizers, ranks.
+        """Prove the spec holds now: reach of the named losses, drift, flags, optimizers, ranks,
+        and the spec's contracts (:mod:`isolate.spec.contracts`).
 
         Args:
             losses: loss name -> loss tensor, graph alive. Each must reach no frozen parameter
@@ -297,7 +303,9 @@ class IsolationHandle:
             A :class:`~isolate.spec.checks.Verification` saying what was checked.
 
         Raises:
-            GradientLeakError, CutOffError, DriftError, RankDivergenceError: a violation.
+            GradientLeakError, CutOffError, DriftError, RankDivergenceError, ContractError: a
+                violation (a :class:`~isolate.errors.ContractError` names the contract, the
+                clause and the tensors).
             BlindSpotError: part of ``total``'s graph cannot be seen.
             SpecError: ``protect`` names a loss not in ``losses``, or a branch ran more often
                 than recorded since the last :meth:`step`.
@@ -319,6 +327,7 @@ class IsolationHandle:
             when,
             self.caller,
             self._thaws.thawed_parameters(),
+            self.contracts,
         )
         if found and on_violation == "raise":
             raise found[0]
@@ -368,6 +377,12 @@ class IsolationHandle:
     def watching(self) -> str | None:
         """The ``monitor`` thaw group waiting now for its metric to stop improving, if any."""
         return self._thaws.phases.watching(list(self._thaws.applied))
+
+    def expectations(self, model: nn.Module | None = None) -> dict[str, str]:
+        """Parameter key -> what the spec expects of it now (``"still"``, ``"still until
+        epoch 2"``, ``"EMA of <online>"``, ``"moves"``): the ``expects`` column of
+        :func:`isolate.ledger.ledger` when the handle is given as ``spec=``."""
+        return self.plan.expectations(self.frozen_parameters(), self.thawed)
 
     def frozen_parameters(self) -> dict[str, nn.Parameter]:
         """Name -> parameter of every parameter frozen now."""

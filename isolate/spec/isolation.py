@@ -43,10 +43,20 @@ class IsolationSpec(SpecData):
         frozen_in_optimizer: what to do with frozen parameters found in an optimizer, where
             weight decay or momentum could move them: ``"remove"`` takes them out (with a
             warning naming them; a thaw puts them back), ``"error"`` refuses.
+        mode: hold the frozen part as a whole: ``"eval"`` holds every layer in it whose
+            behaviour depends on its mode (dropout, drop path, BatchNorm, ...; see
+            :func:`isolate.freeze`) in eval mode, through ``model.train()``; ``"train"`` lets
+            them all follow the model. ``None`` (default): ``bn`` decides, for BatchNorm only.
+        contracts: what the training method promises, checked by ``verify`` and on the
+            loop's schedule: mappings with a ``kind`` (``teacher``, ``ema``,
+            ``stop_gradient``, ``reversal``, ``probe``, ``trains``) and its keys, or
+            :class:`~isolate.spec.contracts.Contract` objects; see
+            :mod:`isolate.spec.contracts`.
 
     Raises:
-        SpecError: an argument has the wrong type or value, a thaw name repeats, or a branch
-            is both detached and cloned.
+        SpecError: an argument has the wrong type or value, a thaw name repeats, a branch
+            is both detached and cloned, or a contract has an unknown kind or key (with the
+            closest known one) or lacks one.
 
     >>> from isolate.spec import Thaw
     >>> spec = IsolationSpec(freeze=["trunk"], detach=["probe"], thaw=[Thaw("trunk", epoch=2)])
@@ -89,6 +99,19 @@ class IsolationSpec(SpecData):
                 model (and the optimizer) are exactly as before.
         """
         return apply(self, model, optimizer, drift=drift)
+
+    def expectations(self, model: nn.Module) -> dict[str, str]:
+        """Parameter key -> what the spec expects of it on ``model`` before training starts
+        (``"still"``, ``"still until epoch 2"``, ``"EMA of <online>"``, ``"moves"``): the
+        ``expects`` column of :func:`isolate.ledger.ledger`. Changes nothing.
+
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+        >>> IsolationSpec(freeze=["0"]).expectations(net)
+        {'0.weight': 'still', '0.bias': 'still', '1.weight': 'moves', '1.bias': 'moves'}
+        """
+        plan = resolve(self, model)
+        return plan.expectations(plan.frozen, ())
 
     @contextlib.contextmanager
     def applied(

@@ -8,17 +8,19 @@ names stay the same whether or not the model is wrapped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from isolate._selectors import describe, is_float, select
 from isolate._text import shown
 from isolate._walker import Names
 from isolate._wrapping import Wrapper
 from isolate.errors import IsolationTypeError, SelectorError, SpecError, WrappingError
+from isolate.spec.contract_checks import bind
+from isolate.spec.contract_clauses import Clauses
 from isolate.spec.data import SpecData
 from isolate.spec.thaw import Thaw
 
@@ -42,7 +44,7 @@ class Group:
 
     thaw: Thaw
     params: dict[str, nn.Parameter]  # state_dict key -> parameter, model order
-    norms: dict[str, _BatchNorm]
+    norms: dict[str, nn.Module]  # the layers whose mode it sets: BatchNorm, or with mode= all
 
     @property
     def name(self) -> str:
@@ -57,10 +59,11 @@ class Plan:
     model: nn.Module
     names: Names
     frozen: dict[str, nn.Parameter]
-    norms: dict[str, _BatchNorm]
+    norms: dict[str, nn.Module]  # held layers: BatchNorm, or with mode= every mode-dependent one
     wraps: list[Wrap]
     groups: list[Group]
     protect: dict[str, dict[str, nn.Parameter]] | None
+    contracts: list[Clauses] = field(default_factory=list)
 
     def group(self, name: str) -> Group:
         for g in self.groups:
@@ -71,6 +74,33 @@ class Plan:
         )
 
     @property
+    def moving(self) -> set[str]:
+        """Tensors a contract says move by a rule of their own (an EMA target), by key: the
+        spec may freeze them (to gradients) and hold them in eval mode, but does not watch
+        them for drift."""
+        return {n for c in self.contracts for n in c.moving}
+
+    def expectations(
+        self, frozen: Mapping[str, nn.Parameter], thawed: Sequence[str]
+    ) -> dict[str, str]:
+        """Parameter key -> what the spec expects of it, given what is ``frozen`` now and the
+        groups ``thawed`` so far: ``"still"`` (``"still until epoch 2"`` for a group that
+        waits for its thaw), ``"EMA of <online>"``, or ``"moves"``."""
+        out = dict.fromkeys(self.names.params, "moves")
+        waiting = {n: g.thaw.when for g in self.groups if g.name not in thawed for n in g.params}
+        for name in frozen:
+            out[name] = f"still until {waiting[name]}" if name in waiting else "still"
+        for clauses in self.contracts:
+            contract = clauses.contract
+            if contract.kind == "teacher":
+                out.update(dict.fromkeys(clauses.params, "still"))
+            elif contract.kind == "ema":
+                for name in clauses.moving:
+                    if name in out:
+                        out[name] = f"EMA of {contract.online}"
+        return out
+
+    @property
     def group_names(self) -> list[str]:
         return [g.name for g in self.groups]
 
@@ -79,7 +109,7 @@ class Plan:
         (``sync_batchnorm``, a ``configure_model`` hook): ``bn="eval"`` no longer holds them."""
         present = {id(m) for m in self.model.modules()}
         gone = [n for n, m in self.norms.items() if id(m) not in present]
-        if gone and self.spec.bn == "eval":
+        if gone and self.spec.policy == "eval":
             raise SpecError(
                 f"{caller}: {len(gone)} frozen BatchNorm layers were replaced after the spec was "
                 f"applied (sync_batchnorm, or a configure_model hook), so bn='eval' no longer "
@@ -87,8 +117,8 @@ class Plan:
             )
 
     def held_buffers(self) -> list[str]:
-        """Names of the buffers of the BatchNorm layers ``bn="eval"`` holds."""
-        if self.spec.bn != "eval":
+        """Names of the buffers of the layers ``bn="eval"`` (or ``mode="eval"``) holds."""
+        if self.spec.policy != "eval":
             return []
         return sorted(
             self.names.of_id[id(b)]
@@ -101,6 +131,7 @@ class Plan:
         """The resolved spec as plain data: what a checkpoint is checked against."""
         return {
             "freeze": list(self.frozen),
+            **({"mode": self.spec.mode} if self.spec.mode else {}),  # older states still match
             "bn": self.spec.bn,
             "bn_held": self.held_buffers(),
             "detach": list(self.spec.detach),
@@ -136,11 +167,12 @@ def resolve(spec: SpecData, model: nn.Module, caller: str = "IsolationSpec") -> 
         )
     names = Names.of(model)
     frozen: dict[str, nn.Parameter] = {}
-    norms: dict[str, _BatchNorm] = {}
+    norms: dict[str, nn.Module] = {}
+    whole = spec.mode is not None
     if spec.freeze:
-        selection = select(model, spec.freeze, f"{caller}(freeze)")
+        selection = select(model, spec.freeze, f"{caller}(freeze)", modes=whole)
         frozen = {names.of_id[id(p)]: p for p in selection.params.values()}
-        norms = dict(selection.norms)
+        norms = dict(selection.modes if whole else selection.norms)
     wraps = _wraps(spec, model, caller)
     groups = _groups(spec, model, names, frozen, caller)
     protect: dict[str, dict[str, nn.Parameter]] | None = None
@@ -149,7 +181,8 @@ def resolve(spec: SpecData, model: nn.Module, caller: str = "IsolationSpec") -> 
         for loss, selectors in spec.protect.items():
             chosen = select(model, selectors, f"{caller}(protect[{loss!r}])")
             protect[loss] = {names.of_id[id(p)]: p for p in chosen.params.values()}
-    return Plan(spec, model, names, frozen, norms, wraps, groups, protect)
+    contracts = bind(spec.contracts, model, caller)
+    return Plan(spec, model, names, frozen, norms, wraps, groups, protect, contracts)
 
 
 def _wraps(spec: SpecData, model: nn.Module, caller: str) -> list[Wrap]:
@@ -202,16 +235,17 @@ def _groups(
     for thaw in spec.thaw:
         name = str(thaw.name)
         where = f"{caller}(thaw {name!r})"
-        selection = select(model, thaw.selectors, where)
+        selection = select(model, thaw.selectors, where, modes=spec.mode is not None)
         params = {names.of_id[id(p)]: p for p in selection.params.values()}
         if any(id(p) not in frozen_ids for p in params.values()):
             # A thaw takes the frozen part of what it selects ("backbone" after freezing the
             # backbone but its norms); a selector with no frozen part at all is a mistake.
             _check_thaw_selectors(model, thaw.selectors, names, frozen_ids, name, where, caller)
             params = {n: p for n, p in params.items() if id(p) in frozen_ids}
-        norms = {
+        covered = selection.modes if spec.mode is not None else selection.norms
+        norms: dict[str, nn.Module] = {
             n: m
-            for n, m in selection.norms.items()
+            for n, m in covered.items()
             if all(id(p) in frozen_ids for p in m.parameters(recurse=False))
         }
         twice = [n for n, p in params.items() if id(p) in owner]

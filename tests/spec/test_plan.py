@@ -20,9 +20,9 @@ def test_each_selector_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None
     calls: list[tuple[str, ...]] = []
     real = isolate.spec.plan.select
 
-    def counting(model: nn.Module, selectors: Any, caller: str) -> Any:
+    def counting(model: nn.Module, selectors: Any, caller: str, **options: Any) -> Any:
         calls.append(tuple(selectors))
-        return real(model, selectors, caller)
+        return real(model, selectors, caller, **options)
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("freezing resolved a selector again")

@@ -1,0 +1,196 @@
+"""The ledger: one row per parameter tensor, every column from the thing itself (a graph walk,
+the optimizer's groups and state, the module's mode), and every contradiction flagged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import isolate
+from isolate.errors import IsolationTypeError, SelectorError
+from isolate.ledger import Ledger, ledger
+from isolate.spec import IsolationSpec, Thaw
+
+
+class LoRA(nn.Module):
+    """A frozen base (an embedding and four linear layers) with rank-4 adapters on each layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(1537, 64)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.down = nn.ParameterList(nn.Parameter(torch.randn(4, 64) * 0.1) for _ in range(4))
+        self.up = nn.ParameterList(nn.Parameter(torch.randn(64, 4) * 0.1) for _ in range(4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer, down, up in zip(self.layers, self.down, self.up, strict=True):
+            x = torch.relu(layer(x) + x @ down.T @ up.T)
+        return x.mean()
+
+
+def test_the_summary_line_of_a_lora_model() -> None:
+    model = LoRA()
+    model.embed.requires_grad_(False)
+    model.layers.requires_grad_(False)
+    opt = torch.optim.AdamW([*model.down, *model.up], lr=1e-3, weight_decay=0.0)
+    book = ledger(model, model(torch.arange(8)), opt)
+    assert str(book).splitlines()[-1] == (
+        "trainable 2,048 of 117,056 parameters (1.75%) in 8 tensors; reached 8 of 8; irregular 0"
+    )
+    assert book.summary() == {
+        "parameters": 117056,
+        "trainable": 2048,
+        "trainable_fraction": 2048 / 117056,
+        "tensors": 17,
+        "trainable_tensors": 8,
+        "reached_tensors": 8,
+        "irregular": 0,
+    }
+    json.dumps(book.to_dict())  # plain data for loggers
+    header = str(book).splitlines()[0].split()
+    assert header == [
+        "name",
+        "numel",
+        "grad",
+        "reached",
+        "by",
+        "optimizer",
+        "lr",
+        "wd",
+        "momentum",
+        "mode",
+        "expects",
+        "status",
+    ]
+
+
+def two_heads() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict(
+        {
+            "trunk": nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.1)),
+            "head": nn.Linear(4, 2),
+            "aux": nn.Linear(4, 1),
+            "spare": nn.Linear(4, 1),
+        }
+    )
+
+
+def losses(model: nn.ModuleDict) -> dict[str, torch.Tensor]:
+    x = torch.randn(8, 4)
+    features = model["trunk"](x)
+    return {"main": model["head"](features).sum(), "aux": model["aux"](features.detach()).sum()}
+
+
+def test_reach_comes_from_the_graph_and_agrees_with_autograd() -> None:
+    model = two_heads()
+    named = losses(model)
+    book = ledger(model, named)
+    params = dict(model.named_parameters())
+    for row in book.rows:
+        p = params[row.name]
+        by_autograd = tuple(
+            name
+            for name, loss in named.items()
+            if torch.autograd.grad(loss, p, retain_graph=True, allow_unused=True)[0] is not None
+        )
+        assert row.reached_by == by_autograd, row.name
+    assert {r.name: r.reasons for r in book.irregular} == {
+        "spare.weight": ("trainable but cut off: no loss reaches it",),
+        "spare.bias": ("trainable but cut off: no loss reaches it",),
+    }
+
+
+def test_every_contradiction_is_flagged_with_its_reason() -> None:
+    model = two_heads()
+    named = losses(model)
+    model["head"].bias.requires_grad_(False)  # frozen after the forward: reached anyway
+    model["trunk"][0].requires_grad_(False)
+    decay = torch.optim.SGD(
+        [
+            {"params": model["trunk"].parameters(), "weight_decay": 0.1},
+            {"params": [model["head"].weight]},
+        ],
+        lr=0.1,
+    )
+    other = torch.optim.SGD([model["head"].weight, *model["aux"].parameters()], lr=0.1)
+    spec = {"trunk": "still", "head": "moves", "aux": "moves"}
+    book = ledger(model, named, [decay, other], spec=spec)
+    reasons = {r.name: r.reasons for r in book.rows}
+    assert reasons["trunk.0.weight"] == (
+        "frozen but in optimizer 0 group 0, where weight_decay=0.1 shrinks it on every step",
+        "frozen but reached by main",  # frozen after the forward
+    )
+    assert reasons["head.weight"] == ("held by 2 optimizer groups",)
+    assert reasons["head.bias"] == (
+        "frozen but reached by main",
+        "frozen but the spec expects it to move (moves)",
+    )
+    assert reasons["trunk.1.weight"] == ("trainable but the spec expects it still",)
+    assert reasons["spare.weight"] == (
+        "trainable but in no optimizer",
+        "trainable but cut off: no loss reaches it",
+        "trainable but not in the spec",
+    )
+    assert (
+        book.rows[0].optimizer == 0 and book.rows[0].group == 0 and book.rows[0].weight_decay == 0.1
+    )
+    text = book.format(limit=3)
+    assert text.splitlines()[2].startswith("trunk.0.weight") and "... and" in text
+    assert "irregular spare.weight: trainable but in no optimizer; " in text
+
+
+def test_optimizer_state_and_modes_are_read_from_the_objects() -> None:
+    model = two_heads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    before = {r.name: r.momentum for r in ledger(model, optimizer=opt).rows}
+    assert set(before.values()) == {False}
+    sum(losses(model).values()).backward()
+    opt.step()
+    with isolate.frozen(model, "trunk", mode="eval"):
+        model.train()
+        rows = {r.name: r for r in ledger(model, optimizer=opt).rows}
+    assert rows["trunk.1.weight"].mode == "eval (held)" and rows["trunk.0.weight"].mode == "train"
+    assert rows["head.weight"].momentum is True and rows["head.weight"].lr == 0.05
+    assert rows["spare.weight"].momentum is False  # never stepped: no gradient, no buffer
+    assert rows["head.weight"].reached_by is None  # no losses given: reach not claimed
+
+
+def test_a_spec_or_handle_says_what_it_expects() -> None:
+    model = two_heads()
+    spec = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.0", epoch=1, lr=0.1)])
+    expects = {r.name: r.expects for r in ledger(model, spec=spec).rows}
+    assert (
+        expects["trunk.0.weight"] == "still until epoch 1" and expects["trunk.1.weight"] == "still"
+    )
+    assert expects["head.weight"] == "moves"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with spec.applied(model, opt) as handle:
+        handle.step(epoch=1, step=3)
+        now = {r.name: r for r in ledger(model, spec=handle, optimizer=opt).rows}
+    assert now["trunk.0.weight"].expects == "moves" and now["trunk.1.weight"].expects == "still"
+    assert not now["trunk.0.weight"].irregular and not now["trunk.1.weight"].irregular
+
+
+def test_bad_arguments_are_refused() -> None:
+    model = two_heads()
+    with pytest.raises(IsolationTypeError, match=r"^ledger\(\): spec must be an isolate spec"):
+        ledger(model, spec=3)
+    with pytest.raises(SelectorError, match=r"spec\['head'\] = 'frozen' is not an expectation"):
+        ledger(model, spec={"head": "frozen"})
+    with pytest.raises(IsolationTypeError, match=r"^ledger\(\): losses must map names to tensors"):
+        ledger(model, {"main": 1.0})  # type: ignore[dict-item]
+    assert isinstance(ledger(model), Ledger) and "ledger" in isolate.__all__
+
+
+def test_a_tied_parameter_is_one_row() -> None:
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    book = ledger(model, F.cross_entropy(model(torch.arange(4)), torch.arange(4)))
+    assert [r.name for r in book.rows] == ["0.weight"] and book.rows[0].reached_by == ("loss",)
