@@ -14,11 +14,13 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from isolate._checkpointing import differentiate
+from isolate._compiled import compiled_in
 from isolate._seethrough import SeeThrough
 from isolate._sharding import check_leaves, is_flat_parameter, sharded_view
 from isolate.errors import IsolationTypeError, ShardedGraphError
 
-__all__ = ["Losses", "Walk", "check_losses", "graph_inputs", "node_name", "walk"]
+__all__ = ["Losses", "Walk", "check_losses", "gradients_of", "graph_inputs", "node_name", "walk"]
 
 T = TypeVar("T", bound=torch.Tensor)
 
@@ -212,3 +214,25 @@ def graph_inputs(
             f"with fully_shard (FSDP2)"
         )
     return [view.leaf(p) for p in params]
+
+
+def gradients_of(
+    loss: torch.Tensor, inputs: Sequence[torch.Tensor], caller: str
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of a scalar loss, ``None`` for every input it does not reach.
+
+    Reentrant checkpoints are seen through (:func:`differentiate`). A compiled region's
+    backward sends a zero gradient back from an output the loss does not use, where eager
+    autograd sends none: the walk of the graph, which gives the eager answer, says which
+    inputs are reached.
+
+    Raises:
+        BlindSpotError: a segment cannot be re-run, part of the graph was freed, or a
+            compiled region's backward cannot run on a kept graph (donated buffers).
+    """
+    compiled = compiled_in([loss], caller)
+    grads = differentiate(loss.reshape(()), inputs, caller)
+    if not compiled:
+        return grads
+    reached = walk([loss], caller).leaves
+    return tuple(g if id(t) in reached else None for g, t in zip(grads, inputs, strict=True))

@@ -16,9 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isolate._autograd import graph_inputs, walk
-from isolate._checkpointing import differentiate
-from isolate._compiled import compiled_in
+from isolate._autograd import gradients_of, graph_inputs
 from isolate._protected import Protected, resolve_named
 from isolate._selectors import check_module, select
 from isolate._sharding import roots_of
@@ -152,28 +150,6 @@ class GradientReport:
 
 
 _Members = list[tuple[str, nn.Parameter]]
-
-
-def _gradients(
-    loss: torch.Tensor, inputs: Sequence[torch.Tensor], caller: str
-) -> tuple[torch.Tensor | None, ...]:
-    """The gradients of a scalar loss, ``None`` for every input it does not reach.
-
-    Reentrant checkpoints are seen through (:func:`differentiate`). A compiled region's
-    backward sends a zero gradient back from an output the loss does not use, where eager
-    autograd sends none: the walk of the graph, which gives the eager answer, says which
-    inputs are reached.
-
-    Raises:
-        BlindSpotError: a segment cannot be re-run, part of the graph was freed, or a
-            compiled region's backward cannot run on a kept graph (donated buffers).
-    """
-    compiled = compiled_in([loss], caller)
-    grads = differentiate(loss.reshape(()), inputs, caller)
-    if not compiled:
-        return grads
-    reached = walk([loss], caller).leaves
-    return tuple(g if id(t) in reached else None for g, t in zip(grads, inputs, strict=True))
 
 
 def _group_members(model: nn.Module, groups: object, caller: str) -> dict[str, _Members]:
@@ -332,7 +308,8 @@ def gradient_report(
 
     One ``torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)`` call per
     loss. ``.grad`` is never read or written and the graph is kept, so the training step's
-    own backward can follow.
+    own backward can follow. Reentrant checkpoints are seen through (each segment re-run, as
+    backward does); under ``torch.compile`` the answer is eager's.
 
     Args:
         losses: loss name -> scalar loss tensor.
@@ -349,6 +326,8 @@ def gradient_report(
     Raises:
         IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
         SelectorError: a group's selector matches no parameter.
+        BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed, or a
+            compiled backward reuses its saved buffers (torch refuses to keep the graph).
 
     Note:
         Shares are of the *squared* norm, so they add up to 1 over non-overlapping groups. A
@@ -396,7 +375,7 @@ def gradient_report(
     computed: list[Sequence[torch.Tensor | None]] = []
     for loss in losses.values():
         if params and loss.requires_grad:
-            computed.append(_gradients(loss, inputs, caller))
+            computed.append(gradients_of(loss, inputs, caller))
         else:
             computed.append([None] * len(params))
     names = tuple(losses)
@@ -467,8 +446,8 @@ def gradient_invariance(
     ``total_loss`` is the objective actually trained, ``main_loss`` plus auxiliary losses.
     When no auxiliary loss reaches a protected parameter, both gradients on it are the same
     numbers, bit for bit, and its delta is exactly ``0.0``. Uses two
-    ``torch.autograd.grad(..., retain_graph=True, allow_unused=True)`` calls; ``.grad`` is
-    never touched.
+    ``torch.autograd.grad(..., retain_graph=True, allow_unused=True)`` calls (through
+    reentrant checkpoints too, as :func:`gradient_report`); ``.grad`` is never touched.
 
     Args:
         main_loss: the scalar loss the protected parameters should learn from.
@@ -482,6 +461,7 @@ def gradient_invariance(
     Raises:
         IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
         SelectorError: ``protected`` names no parameter, or a selector matches nothing.
+        BlindSpotError: as :func:`gradient_report`.
 
     Note:
         ``total = 0.5 * main + aux`` changes every gradient by a factor of 0.5, so the deltas
@@ -512,7 +492,7 @@ def gradient_invariance(
     def grads(loss: torch.Tensor) -> dict[int, torch.Tensor | None]:
         if not trainable or not loss.requires_grad:
             return {}
-        computed = _gradients(loss, inputs, caller)
+        computed = gradients_of(loss, inputs, caller)
         return {id(p): g for p, g in zip(trainable, computed, strict=True)}
 
     before, after = grads(main_loss), grads(total_loss)

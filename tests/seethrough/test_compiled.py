@@ -6,7 +6,11 @@ reads only through ``.detach()``; its backward graph says which of them get a gr
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +227,27 @@ def test_gradient_scale_alpha_changes_under_fullgraph() -> None:
         else:
             assert eager is not None and got is not None
             torch.testing.assert_close(got, eager)
+
+
+def test_seeing_through_loads_no_compiler_until_a_compiled_region_is_met() -> None:
+    """``import isolate`` and every audit of an eager graph leave torch._dynamo, transformers
+    and peft unloaded: the see-through reads compiled nodes, it does not import a compiler."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    probe = (
+        "import sys, torch, isolate\n"
+        "from isolate.cutoff import cut_off_parameters\n"
+        "from isolate.gradients import gradient_report\n"
+        "from isolate.reachability import reachable_parameters\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))\n"
+        "loss = m(torch.randn(3, 2)).sum()\n"
+        "reachable_parameters(loss, m); cut_off_parameters(loss, m)\n"
+        "gradient_report({'loss': loss}, m)\n"
+        "print(sorted(n for n in ('torch._dynamo', 'transformers', 'peft') if n in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
