@@ -217,7 +217,9 @@ def test_bad_modes_are_refused_before_anything_changes(kwargs: dict, message: st
 def test_a_spec_holds_in_eval_mode_and_thaws_back_to_train() -> None:
     net = model()
     spec = IsolationSpec(
-        freeze=["trunk"], mode="eval", thaw=[{"select": "trunk.1", "step": 1, "bn": "train", "lr": 0.1}]
+        freeze=["trunk"],
+        mode="eval",
+        thaw=[{"select": "trunk.1", "step": 1, "bn": "train", "lr": 0.1}],
     )
     handle = spec.apply(net, torch.optim.SGD(net["head"].parameters(), lr=0.1))
     assert len(held_in_eval(net)) == 8
