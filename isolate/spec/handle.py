@@ -7,6 +7,8 @@ callback all drive the same handle; the engine itself imports neither Lightning 
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
@@ -39,8 +41,15 @@ __all__ = ["IsolationHandle", "warn_user"]
 
 
 def warn_user(message: str) -> None:
-    """Warn with an :class:`~isolate.IsolationWarning` pointing at the user's call."""
-    warnings.warn(message, IsolationWarning, stacklevel=4)
+    """Warn with an :class:`~isolate.IsolationWarning` pointing at the user's call: the first
+    frame outside the ``isolate`` package, however deep inside it the warning is raised."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        package
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, IsolationWarning, stacklevel=level)
 
 
 class IsolationHandle:
