@@ -29,6 +29,7 @@ from isolate.lightning.strategies import (
 )
 from isolate.spec import IsolationSpec, Thaw, ThawKeys
 from isolate.spec.cadence import Cadence
+from isolate.spec.checks import Tally
 from isolate.spec.handle import IsolationHandle
 from isolate.spec.isolation import apply as apply_spec
 
@@ -168,6 +169,7 @@ class IsolationCallback(Callback):
         self.log_figures = bool(log_figures)
         self.drift: Literal["fingerprint", "copy"] = drift
         self.handle: IsolationHandle | None = None
+        self.tally = Tally()  # the last fit's handle.tally, kept after the handle is restored
         self.saved = SavedState(_CALLER)
         self._modes: list[tuple[nn.Module, bool]] = []
         self._validations = 0  # validation runs seen in this fit (monitor thaws need them)
@@ -192,6 +194,7 @@ class IsolationCallback(Callback):
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         self.handle = apply_spec(self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift)
+        self.tally = self.handle.tally
         cadence = self.cadence
         self.handle.check_every(
             cadence.every,

@@ -27,6 +27,7 @@ from isolate.freezing import FreezeHandle
 from isolate.spec.branches import Branches
 from isolate.spec.cadence import CHECKS, Cadence, Loop
 from isolate.spec.checks import (
+    Tally,
     Verification,
     run_checks,
     watch,
@@ -104,6 +105,7 @@ class IsolationHandle:
         self.loop = Loop(self, Cadence())
         self._stepped = False  # whether step() ever ran: the schedule is being driven
         self._guards: dict[int, RemovableHandle] = {}  # id(optimizer) -> its step pre-hook
+        self.tally = Tally()  # what every verify that found nothing checked, added up
 
     def start(self) -> None:
         """Freeze, hold and wrap as the plan says (undone by :meth:`restore`)."""
@@ -333,6 +335,8 @@ class IsolationHandle:
             raise found[0]
         for error in found:
             self._warn(str(error))
+        if not found:
+            self.tally.add(verification, checks)
         return verification
 
     def check_every(
