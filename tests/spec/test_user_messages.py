@@ -56,3 +56,29 @@ def test_a_string_that_is_no_number_gets_no_hint() -> None:
     with pytest.raises(SpecError) as error:
         Thaw.from_dict({"select": "a", "epoch": 1, "lr": "fast"})
     assert "YAML" not in str(error.value)
+
+
+def test_the_tally_adds_up_what_each_verify_checked() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    spec = IsolationSpec(freeze=["0"], thaw=[Thaw("0", step=2, lr=0.01)])
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    handle = spec.apply(model, optimizer)
+    try:
+        for step in range(3):
+            handle.step(epoch=0, step=step)
+            loss = model(torch.randn(4, 2)).sum()
+            handle.verify(total=loss)
+        with torch.no_grad():
+            model[1].weight.add_(1.0)  # trainable: no drift check watches it
+        handle.verify(checks=("drift",))
+    finally:
+        handle.restore()
+    tally = handle.tally
+    assert tally.runs == 4
+    assert tally.times == {"reach": 3, "drift": 4, "flags": 3, "optimizers": 3}
+    assert tally.last["reach"].reach == 4  # after the thaw: all four parameters trainable
+    assert tally.last["flags"].flags == 0
+    text = str(tally)
+    assert text.startswith("verify ran 4 times; every check passed:\n")
+    assert "  reach (3x): the loss backpropagated reached each of 4 trainable parameters" in text
+    assert "losses" not in text and "ranks" not in text  # nothing to look at: not counted
