@@ -251,3 +251,35 @@ def test_the_reversal_paragraph_reads_the_probe_against_chance(
         )
     else:
         assert f"reaches {probe_acc:.3f} (above chance, the majority class's 0.502)" in paragraph
+
+
+def test_the_suite_compares_final_trunks_with_the_batch_counter_apart(tmp_path: Path) -> None:
+    import torch
+
+    from experiments.recording import TRUNK_FILE
+    from experiments.suite import _compare_trunks
+    from experiments.variants import Variant
+
+    def trunk(weight: float, counter: int) -> dict[str, torch.Tensor]:
+        return {
+            "0.weight": torch.full((2,), weight),
+            "1.running_mean": torch.zeros(2),
+            "1.num_batches_tracked": torch.tensor(counter),
+        }
+
+    for name, state in (("base", trunk(1.0, 20)), ("frozen", trunk(1.25, 0))):
+        (tmp_path / name).mkdir()
+        torch.save(state, tmp_path / name / TRUNK_FILE)
+    variants = [Variant("frozen", tmp_path / "frozen.yaml", compare_with="base")]
+    compared = _compare_trunks(tmp_path, variants, {"frozen": {}})["frozen"]
+    assert compared["max_delta"] == 0.25  # the weight, not the 20 batches counted
+    assert compared["counters_delta"] == 20.0
+    assert compared["bitwise_equal"] is False
+
+
+def test_suite_help_names_each_option_type_without_a_lambda() -> None:
+    from experiments.parsing import suite_parser
+
+    text = suite_parser().format_help()
+    assert "lambda" not in text and "<function" not in text
+    assert "--data.dataset {mnist,fashion_mnist}" in text
