@@ -30,6 +30,7 @@ certificate as JSON:
     isolate certify base.safetensors tuned.safetensors --freeze backbone -o certificate.json
     isolate certify base.ckpt last.ckpt --spec isolation.yaml --prefix net
 """
+"""What ``isolate certify --help`` says, with examples (kept as written)."""
 
 
 class _UsageError(Exception):

@@ -160,7 +160,10 @@ def from_finetuning_scheduler(
             (``re.match``); without it, simple regexes become globs (:func:`regex_to_glob`).
         epoch_transitions_only: FTS's option: phases end at ``max_transition_epoch`` only.
         base_max_lr: FTS's lr for phases that set none.
-        monitor, patience, min_delta, mode: the ``FTSEarlyStopping`` settings of the run.
+        monitor: the metric of the run's ``FTSEarlyStopping``.
+        patience: its ``patience``.
+        min_delta: its ``min_delta``.
+        mode: its ``mode``.
         bn: ``"train"`` as FTS's default ``frozen_bn_track_running_stats=True`` (frozen
             BatchNorm layers keep updating their statistics); ``"eval"`` holds them.
 
@@ -245,6 +248,7 @@ are resolved against the model's parameter names with --model:
     isolate migrate Model_ft_schedule.yaml > isolation.yaml
     isolate migrate Model_ft_schedule.yaml --model my_project.models:build_model
 """
+"""What ``isolate migrate --help`` says, with examples (kept as written)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -127,6 +127,7 @@ isolate.lightning.IsolationCallback, or with IsolationSpec.from_dict(yaml.safe_l
     isolate schedule torchvision.models:resnet18 > schedule.yaml
     isolate schedule my_project.models:build_model --by-epoch
 """
+"""What ``isolate schedule --help`` says, with examples (kept as written)."""
 
 
 def _import(spec: str, module_name: str) -> object:

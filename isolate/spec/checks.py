@@ -212,6 +212,7 @@ def check_reach(
 
 
 def check_flags(frozen: Mapping[str, nn.Parameter], when: str, caller: str) -> list[IsolationError]:
+    """A :class:`~isolate.errors.DriftError` for frozen parameters that require grad again."""
     unfrozen = [n for n, p in frozen.items() if p.requires_grad]
     if not unfrozen:
         return []

@@ -12,6 +12,7 @@ from isolate.spec._fields import is_int, number, string_list, unknown_keys, yaml
 __all__ = ["BN", "Thaw", "ThawKeys", "check_lr"]
 
 BN = Literal["eval", "train"]
+"""How frozen BatchNorm layers behave: held in eval mode, or following the model's mode."""
 Shape = Literal["linear", "cosine", "exponential"]
 _EXTRA = (
     "warmup_ratio",
