@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
 
 from examples.plain_loop import load_spec
 from examples.toy import Net, batches, losses, summary
+from isolate.cli import Parser
 from isolate.lightning import IsolationCallback
 
 
@@ -85,8 +86,6 @@ def train(
     module = ToyModule()
     isolation = IsolationCallback(spec=spec, verify_every_n_steps=4)
     last = root / "last.ckpt"
-    if resume and not last.is_file():
-        raise SystemExit(f"--resume: {last} does not exist; run with --stop-after first")
     trainer = pl.Trainer(
         default_root_dir=root,
         max_epochs=epochs if stop_after is None else min(epochs, stop_after),
@@ -105,7 +104,7 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python examples/lightning_callback.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -122,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--resume", action="store_true", help="continue from last.ckpt in --root")
     args = parser.parse_args(argv)
+    if args.resume and not (args.root / "last.ckpt").is_file():
+        parser.error(f"--resume: {args.root / 'last.ckpt'} does not exist; run --stop-after first")
     train(args.epochs, args.root, stop_after=args.stop_after, resume=args.resume, verbose=True)
     return 0
 

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
 
 import isolate
 from examples.toy import Net, batches, losses, summary
+from isolate.cli import Parser
 
 SPEC = Path(__file__).with_name("isolation.yaml")
 STOPPED = "run the same command without --stop-after to finish from the checkpoint."
@@ -106,7 +107,7 @@ def train(
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     """The options of the plain and Fabric examples; ``--help`` shows the docstring as written."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--epochs", type=int, default=4, help="epochs to train (default 4)")

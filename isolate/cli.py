@@ -21,7 +21,7 @@ from typing import NoReturn
 from isolate._text import did_you_mean
 from isolate.errors import IsolationError
 
-__all__ = ["VERBS", "build_parser", "main"]
+__all__ = ["VERBS", "Parser", "build_parser", "main"]
 
 VERBS = {
     "schedule": (
@@ -40,8 +40,16 @@ VERBS = {
 """Verb -> (module, one-line help)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with every error on one line that names the fix and a close match."""
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose every error is one line that names the fix, with a
+    close match for a misspelt verb, choice or option, and exit status 2 (the ``isolate``
+    command and the examples use it).
+
+    >>> parser = Parser(prog="train")
+    >>> _ = parser.add_argument("--epochs", type=int, help="epochs to train")
+    >>> parser._explain("unrecognized arguments: --epoks 4")
+    "unknown option '--epoks'; did you mean '--epochs'?"
+    """
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {self._explain(message)} (see '{self.prog} --help')\n")
@@ -71,14 +79,19 @@ class _Parser(argparse.ArgumentParser):
         return message
 
     def _unknown(self, word: str) -> str:
-        options = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        options = [
+            s
+            for a in self._actions
+            for s in a.option_strings
+            if s.startswith("--") and s != "--help"
+        ]
         name = word.split("=", 1)[0]
         return f"unknown option {name!r}{did_you_mean(name, options)}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every verb (each verb's module is imported here, when it is needed)."""
-    parser = _Parser(
+    parser = Parser(
         prog="isolate",
         description="Declarative, verifiable gradient isolation for PyTorch: the tools.",
     )

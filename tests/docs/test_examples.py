@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -178,3 +179,23 @@ def test_the_readmes_example_commands_run_as_written(tmp_path: Path, reference: 
         else:
             assert checksum in out, (command, out)
             assert "Why this checksum:" in out
+
+
+@pytest.mark.parametrize(
+    ("example", "argv", "says"),
+    [
+        (plain_loop, ["--epoks", "4"], "unknown option '--epoks'; did you mean '--epochs'?"),
+        (fabric_loop, ["--stop-afer", "2"], "did you mean '--stop-after'?"),
+        (lightning_callback, ["--rot", "run"], "did you mean '--root'?"),
+        (lightning_callback, ["--root", "{tmp}", "--resume"], "last.ckpt does not exist"),
+    ],
+)
+def test_a_typo_is_one_line_naming_the_fix(
+    example: Any, argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        example.main([a.format(tmp=tmp_path) for a in argv])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"python examples/{Path(example.__file__).name}: error: ")
+    assert says in line
