@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import os
 import pkgutil
 import re
 import subprocess
@@ -21,8 +20,8 @@ from typing import Any
 import pytest
 
 import isolate
+from tests._launch import REPO, child_env
 
-REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 NAME = re.compile(r"\bisolate(?:\.[A-Za-z_]\w*)+")
 
@@ -136,7 +135,7 @@ def test_the_site_builds_with_warnings_as_errors_and_anchors_every_public_name(
         cwd=REPO,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1"},
+        env=child_env({"NO_MKDOCS_2_WARNING": "1"}),
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,7 +4,6 @@ lead somewhere."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,8 +16,8 @@ import yaml
 from torch import nn
 
 from isolate import IsolationSpec
+from tests._launch import REPO, child_env
 
-REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 
 
@@ -48,11 +47,10 @@ def test_the_readme_reads_in_five_minutes() -> None:
 def test_the_quickstart_copied_into_a_file_runs(tmp_path: Path) -> None:
     _, quickstart = block_after("quickstart", "python")
     (tmp_path / "quickstart.py").write_text(quickstart)
-    paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     done = subprocess.run(
         [sys.executable, "quickstart.py"],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+        env=child_env(),
         capture_output=True,
         text=True,
         check=False,

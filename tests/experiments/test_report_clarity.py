@@ -7,18 +7,13 @@ checks the figure (captured before it is saved) or the text it produces.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # pytest puts tests/... on sys.path, not the repo root
-    sys.path.insert(0, str(REPO))
-
-import experiments.report as report  # noqa: E402
-import experiments.sections as sections  # noqa: E402
+import experiments.report as report
+import experiments.sections as sections
 
 STEPS = 20
 VAL = {"step": [10, 20]}

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # pytest puts tests/... on sys.path, not the repo root
-    sys.path.insert(0, str(REPO))
-
-from experiments.__main__ import main  # noqa: E402
+from experiments.__main__ import main
+from tests._launch import REPO
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::experiments.data.TestSplitOnlyWarning"),

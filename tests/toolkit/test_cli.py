@@ -4,7 +4,6 @@ culprit and the fix (with a close match where there is one) and exits with statu
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +13,7 @@ import yaml
 
 from isolate.cli import VERBS, build_parser, main
 from isolate.spec import IsolationSpec
-
-REPO = Path(__file__).resolve().parents[2]
+from tests._launch import child_env
 
 FACTORIES = """
 from torch import nn
@@ -155,15 +153,11 @@ def test_migrate_resolves_regexes_against_the_model(
 
 
 def test_python_m_isolate_prints_no_warning() -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
     done = subprocess.run(
         [sys.executable, "-W", "error", "-m", "isolate", "--help"],
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env(),
         check=False,
     )
     assert done.returncode == 0, done.stderr
