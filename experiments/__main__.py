@@ -10,13 +10,38 @@ The suite, which runs every variant and writes the report (see :mod:`experiments
     python -m experiments suite [--output outputs/suite] [--quick] [--ddp]
 
 ``python -m experiments --help`` lists both. A missing or corrupt dataset is reported in one
-line with the flag to pass, and exit status 1.
+message with the flag to pass, and exit status 1; a spec that cannot work (a selector that
+matches nothing, a bad thaw, a checkpoint of another spec) in one line, and exit status 2.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+
+def report_spec_errors(run: Callable[[], int]) -> int:
+    """Run ``run``; an isolation spec that cannot work becomes one line and status 2."""
+    from isolate.errors import (
+        CheckpointMismatchError,
+        IsolationTypeError,
+        SelectorError,
+        SpecError,
+        WrappingError,
+    )
+
+    try:
+        return run()
+    except (
+        CheckpointMismatchError,
+        IsolationTypeError,
+        SelectorError,
+        SpecError,
+        WrappingError,
+    ) as error:
+        message = " ".join(str(error).split())
+        sys.stderr.write(f"python -m experiments: error: {type(error).__name__}: {message}\n")
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli_main(None if argv is None else args)
         return 0
 
-    return report_data_errors(one_run)
+    return report_spec_errors(lambda: report_data_errors(one_run))
 
 
 if __name__ == "__main__":

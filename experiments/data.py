@@ -292,6 +292,9 @@ class MNISTDataModule(pl.LightningDataModule):
         self.mean = self._spec.mean
         self.std = self._spec.std
         self.data_root = Path(data_root or os.environ.get(ENV_DATA_ROOT) or "data")
+        # A data root the user named (not the default "data"): if it does not exist, that is
+        # most likely a typo, which a download would only hide.
+        self._root_given = bool(data_root or os.environ.get(ENV_DATA_ROOT))
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.source_note = "setup() has not run yet."
         self.split_info: dict[str, Any] = {}
@@ -312,7 +315,7 @@ class MNISTDataModule(pl.LightningDataModule):
                 and the download failed.
         """
         missing = [name for name in (*TEST_FILES, *TRAIN_FILES) if self._find(name) is None]
-        if missing and self.download is not False:
+        if missing and (self.download is True or (self.download is None and not self._no_root)):
             self._download(missing, required=self.download is True)
         self._locate()  # fails here, before a Trainer sets anything up, if data are missing
 
@@ -414,6 +417,11 @@ class MNISTDataModule(pl.LightningDataModule):
             unique.setdefault(path.absolute(), (path, why))
         return list(unique.values())
 
+    @property
+    def _no_root(self) -> bool:
+        """The data root was named on purpose and is not a folder."""
+        return self._root_given and not self.data_root.is_dir()
+
     def _find(self, name: str) -> Path | None:
         """Where one official file is, decompressed or ``.gz``, if anywhere."""
         for directory, _ in self._search_dirs():
@@ -435,6 +443,12 @@ class MNISTDataModule(pl.LightningDataModule):
     def _not_found(self, missing: list[str]) -> DataNotFoundError:
         title, folder = self._spec.title, self._spec.folder
         searched = "\n".join(f"  - {path} ({why})" for path, why in self._search_dirs())
+        if self._no_root:
+            searched = searched.replace(
+                " (--data.data_root)",
+                f" (--data.data_root): the folder {self.data_root} does not exist",
+                1,
+            )
         tried = ""
         if self._download_error is not None:
             tried = f"\nA download was tried and failed: {self._download_error}"
@@ -443,6 +457,13 @@ class MNISTDataModule(pl.LightningDataModule):
             f"{self.cache_dir}, or --data.data_root=PATH for a folder holding "
             f"{folder}/raw/{TEST_FILES[0]}.gz (or set {ENV_DATA_ROOT}=PATH)"
         )
+        if self._no_root:  # a typo in the path is likelier than a wish to download
+            hint = (
+                f"To fix: the data root {self.data_root} does not exist: pass "
+                f"--data.data_root=PATH of a folder holding {folder}/raw/{TEST_FILES[0]}.gz "
+                f"(or set {ENV_DATA_ROOT}=PATH), or --data.download=true (with network access) "
+                f"to download them into {self.cache_dir}"
+            )
         if self.dataset == "fashion_mnist":
             hint += (
                 ", or install the Debian package: apt-get install dataset-fashion-mnist "

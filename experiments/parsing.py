@@ -172,8 +172,7 @@ def suite_parser() -> ExperimentParser:
     )
     parser.add_argument(
         "--data.dataset",
-        type=str,
-        choices=["mnist", "fashion_mnist"],
+        choices=["mnist", "fashion_mnist"],  # no type=: jsonargparse would show a lambda
         default="mnist",
         help="the same experiments on Fashion-MNIST with fashion_mnist",
     )

@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from experiments.formats import fmt, jsonable, table
-from experiments.sections import ZERO_STYLES, pyplot, render_declared, save, steps_of
+from experiments.sections import (
+    ZERO_STYLES,
+    legend_outside,
+    pyplot,
+    render_declared,
+    save,
+    step_axis,
+    steps_of,
+)
 
 __all__ = ["write_report"]
 
@@ -82,7 +90,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         f"Data: {setup['data']['note']}",
         "",
-        "Every run starts from the same seed (`seed_everything: 0`), sees the batches in the "
+        "Every run starts from the same seed (`seed_everything: 0`) and a randomly initialised "
+        "network (no pretrained weights), sees the batches in the "
         "same order (the datamodule's seeded generator) and uses deterministic ops; presets: "
         f"{', '.join(setup['presets']) or 'none'} on top of `configs/presets/base.yaml`."
         + (f" The {steps}." if steps else ""),
@@ -195,6 +204,7 @@ def _gradients(results: dict[str, Any], output: Path) -> list[str]:
                 fmt(max(deltas), ".3g"),
                 trunk.get("bitwise_equal", "n/a"),
                 fmt(trunk.get("max_delta"), ".3g"),
+                fmt(trunk.get("counters_delta"), ".3g"),
             ]
         )
     plt = pyplot()
@@ -208,7 +218,7 @@ def _gradients(results: dict[str, Any], output: Path) -> list[str]:
         ax.plot(steps_of(deltas), deltas, linestyle=style, label=label, linewidth=width)
     ax.set_yscale("symlog", linthresh=1e-8)
     ax.axhline(0.0, color="black", linewidth=0.6)
-    ax.set_xlabel("training step")
+    step_axis(ax)
     ax.set_ylabel("max |Δ| vs the compared run (symlog)")
     ax.set_title("Trunk gradient after backward, compared with the reference run's, per step")
     ax.legend(fontsize=8)
@@ -221,7 +231,8 @@ def _gradients(results: dict[str, Any], output: Path) -> list[str]:
         "min over steps",
         "max over steps",
         "final trunk bitwise equal",
-        "final trunk max|Δ|",
+        "final trunk max|Δ| (weights, running statistics)",
+        "final num_batches_tracked Δ",
     ]
     return [
         "## The trunk's gradient, step by step, against the reference run",
@@ -231,7 +242,10 @@ def _gradients(results: dict[str, Any], output: Path) -> list[str]:
         "compares it with the gradient of the run it is compared with at the same step. A "
         "branch that is cut off leaves it identical to the last bit, at every step, because "
         "the whole trajectory is identical; a branch whose loss reaches the trunk changes it "
-        "from the first step on.",
+        "from the first step on. The final trunk is compared tensor by tensor: weights and "
+        "BatchNorm running statistics by their largest difference, the `num_batches_tracked` "
+        "counters apart (a count of batches, not a weight: a trunk frozen with `bn='eval'` "
+        "counts none).",
         "",
         table(header, rows),
         "",
@@ -329,6 +343,10 @@ def _accuracy(results: dict[str, Any], output: Path) -> list[str]:
     return lines
 
 
+# One style per chance level (the levels differ per output: 10 classes, a binary attribute).
+_CHANCE_STYLES = [(":", "black"), ("--", "tab:red"), ("-.", "tab:purple")]
+
+
 def _plot_accuracy(runs: dict[str, dict[str, Any]], output: Path) -> bool:
     curves = {n: r for n, r in runs.items() if "acc/main" in (r.get("val") or {})}
     if not curves:
@@ -360,18 +378,30 @@ def _plot_accuracy(runs: dict[str, dict[str, Any]], output: Path) -> bool:
                 if key in chance:
                     chances["side"].setdefault(f"{chance[key]:.3f}", chance[key])
     for ax, where in ((main, "main"), (side, "side")):
-        for i, (text, value) in enumerate(sorted(chances[where].items())):
+        for (text, value), (style, color) in zip(
+            sorted(chances[where].items()), _CHANCE_STYLES * 4, strict=False
+        ):
             ax.axhline(
                 value,
-                color="gray",
-                linestyle=(0, (2, 2 + i)),
-                linewidth=1.0,
+                color=color,
+                linestyle=style,
+                linewidth=1.2,
                 label=f"chance: majority class of the test split, {text}",
             )
+            ax.annotate(
+                f"chance {text}",
+                (1.0, value),
+                xycoords=("axes fraction", "data"),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=7,
+                color=color,
+            )
         ax.set_ylim(0.0, 1.0)
-        ax.set_xlabel("training step")
+        step_axis(ax)
         ax.set_ylabel("validation accuracy")
-        ax.legend(fontsize=7)
+        legend_outside(ax)
     main.set_title("Main head: validation accuracy")
     side.set_title("Auxiliary branches: validation accuracy")
     save(fig, output / "accuracy.png")

@@ -36,7 +36,17 @@ from typing import Any
 
 from experiments.formats import fmt, largest, table
 
-__all__ = ["SECTIONS", "Entry", "render_declared"]
+__all__ = [
+    "SECTIONS",
+    "ZERO_STYLES",
+    "Entry",
+    "legend_outside",
+    "pyplot",
+    "render_declared",
+    "save",
+    "step_axis",
+    "steps_of",
+]
 
 # One run that declared the section, and the declaration's parameters.
 Entry = tuple[str, dict[str, Any]]
@@ -57,14 +67,33 @@ def pyplot() -> Any:
 
 
 def save(fig: Any, path: Path) -> None:
-    """Write ``fig`` as PNG and close it."""
+    """Write ``fig`` as PNG and close it (legends placed outside the axes included)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     pyplot().close(fig)
 
 
 def steps_of(values: Sequence[Any]) -> list[int]:
     return list(range(1, len(values) + 1))
+
+
+def step_axis(ax: Any) -> None:
+    """An x axis of optimizer steps: whole numbers only (no tick at step 2.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("training step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def legend_outside(ax: Any, *, fontsize: int = 7) -> None:
+    """The legend below the axes, where it cannot cover a curve."""
+    ax.legend(
+        fontsize=fontsize,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=2,
+        frameon=False,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +132,7 @@ def _drift(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> l
                 fmt(final.get("buffers"), ".3g"),
                 fmt(final.get("counters"), ".3g"),
                 ", ".join(sorted(final.get("moved", {}))) or "none",
+                fmt((record.get("test") or {}).get("acc/main"), ".3f"),
             ]
         )
     lines += [
@@ -115,10 +145,12 @@ def _drift(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> l
                 "running statistics, at the end",
                 "num_batches_tracked, at the end",
                 "moved at the end",
+                "main test acc",
             ],
             rows,
         ),
         "",
+        *_random_trunk(frozen),
     ]
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -140,7 +172,7 @@ def _drift(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> l
                     label=f"{name} (0.0 at every step)",
                 )
         ax.set_title(title)
-        ax.set_xlabel("training step")
+        step_axis(ax)
         ax.set_ylabel(ylabel)
         if kind != "counters":  # the counter counts batches: a linear axis shows it as it is
             ax.set_yscale("symlog", linthresh=1e-8)
@@ -148,6 +180,27 @@ def _drift(entries: Sequence[Entry], results: dict[str, Any], output: Path) -> l
     fig.suptitle("Trunk drift since the start of fit, per step")
     save(fig, output / "drift.png")
     return [*lines, "![drift](drift.png)", ""]
+
+
+def _random_trunk(frozen: dict[str, dict[str, Any]]) -> list[str]:
+    """Why a correctly frozen trunk can score below a naive one here: it is not pretrained."""
+    acc = {n: (r.get("test") or {}).get("acc/main") for n, r in frozen.items()}
+    held = [n for n, r in frozen.items() if not r["drift_final"].get("buffers") and acc[n]]
+    drifted = [n for n, r in frozen.items() if r["drift_final"].get("buffers") and acc[n]]
+    lines = [
+        "The trunk is randomly initialised (seed 0), not pretrained: frozen, it hands the head "
+        "fixed random features, so these accuracies measure a head on random features, not "
+        "the cost of freezing correctly."
+    ]
+    if held and drifted:
+        a, b = drifted[0], held[0]
+        lines[0] += (
+            f" In {a} the BatchNorm running statistics moved anyway and adapted those random "
+            f"features to the data, which is likely why it reaches {acc[a]:.3f} against {b}'s "
+            f"{acc[b]:.3f}; on a pretrained backbone, that same movement is the silent drift "
+            "that freezing is meant to prevent."
+        )
+    return [*lines, ""]
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,18 +259,41 @@ def _adversary(entries: Sequence[Entry], results: dict[str, Any], output: Path) 
             f"## Gradient reversal: {name}",
             "",
             f"Behind `GradientScale({alpha})`, the {adversary} ends at {adv_acc:.3f} test "
-            f"accuracy (majority class: {fmt(chance.get(f'acc/{adversary}'), '.3f')}), while a "
-            f"detached linear probe ({probe}) trained next to it still reads the attribute from "
-            f"the same features at {probe_acc:.3f}"
-            + (f" ({before:.3f} in the {without} run, without reversal)" if before else "")
-            + f". The main head reaches {fmt(test.get('acc/main'), '.3f')}"
+            f"accuracy ({_against_chance(adv_acc, chance.get(f'acc/{adversary}'))}). A "
+            f"detached linear probe ({probe}) trained next to it on the same features reaches "
+            f"{probe_acc:.3f} ({_against_chance(probe_acc, chance.get(f'acc/{probe}'))})"
+            + (f"; {before:.3f} in the {without} run, without reversal" if before else "")
+            + ". "
+            + _probe_verdict(probe_acc, chance.get(f"acc/{probe}"))
+            + f" The main head reaches {fmt(test.get('acc/main'), '.3f')}"
             + (f" ({compared}: {fmt(base_main, '.3f')})" if compared else "")
-            + ". The reversed gradient reaches the trunk (see the audit and the gradient plot); "
-            "whether it removes the attribute or only defeats this one adversary is what the "
-            "probe tells.",
+            + ". The reversed gradient reaches the trunk (see the audit and the gradient plot).",
             "",
         ]
     return lines
+
+
+def _against_chance(acc: float, chance: float | None) -> str:
+    if chance is None:
+        return "chance unknown"
+    if acc > chance:
+        return f"above chance, the majority class's {chance:.3f}"
+    return f"chance: the majority class alone gives {chance:.3f}"
+
+
+def _probe_verdict(acc: float, chance: float | None) -> str:
+    """What the probe says about the attribute, from its accuracy against chance."""
+    if chance is None:
+        return ""
+    if acc > chance:
+        return (
+            "The attribute is still linearly readable from the features: the reversal "
+            "defeated this one adversary without removing it."
+        )
+    return (
+        "The probe does no better than chance either: no linear read-out finds the attribute "
+        "in the features (a stronger probe might)."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +348,7 @@ def _collapse(entries: Sequence[Entry], results: dict[str, Any], output: Path) -
     left.set_ylabel("std")
     right.set_ylabel("validation accuracy")
     for ax in (left, right):
-        ax.set_xlabel("training step")
+        step_axis(ax)
         ax.legend(fontsize=8)
     save(fig, output / "collapse.png")
     return [*lines, "![collapse](collapse.png)", ""]

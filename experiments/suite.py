@@ -428,11 +428,14 @@ def _compare_trunks(
             for key, value in reference.items()
             if key in state
         }
+        # A batch counter (num_batches_tracked) is no weight: its difference stays apart.
+        counter = {k for k in deltas if not reference[k].is_floating_point()}
         out[variant.name] = {
             "compared_with": other,
             "bitwise_equal": set(state) == set(reference)
             and all(d == 0.0 for d in deltas.values()),
-            "max_delta": max(deltas.values(), default=0.0),
+            "max_delta": max((d for k, d in deltas.items() if k not in counter), default=0.0),
+            "counters_delta": max((d for k, d in deltas.items() if k in counter), default=0.0),
             "tensors": len(deltas),
         }
     return out

@@ -46,7 +46,7 @@ _FAMILY = ("sharded_param", "_unsharded_param", "_sharded_post_forward_param")
 
 
 class _Found(Protocol):
-    """What a graph walk found (``isolate.reachability._Walk``), as far as this module needs."""
+    """What a graph walk found (``isolate._autograd.Walk``), as far as this module needs."""
 
     leaves: dict[int, torch.Tensor]
     consumers: dict[int, list[Any]]

@@ -1,10 +1,11 @@
-"""How messages list names: the first few, then how many more."""
+"""How messages list names: the first few, then how many more; and the close ones."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
-__all__ = ["counted", "shown"]
+__all__ = ["counted", "did_you_mean", "shown"]
 
 
 def shown(names: Iterable[str], *, limit: int = 8) -> str:
@@ -28,3 +29,15 @@ def counted(names: list[str], noun: str, *, limit: int = 5) -> str:
     head = ", ".join(repr(n) for n in names[:limit])
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return f"{noun}{'s' if len(names) > 1 else ''} {head}{more}"
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the (at most two) candidates close to ``word``, else ``""``.
+
+    >>> did_you_mean("--by_epoch", ["--by-epoch", "--monitor"])
+    "; did you mean '--by-epoch'?"
+    >>> did_you_mean("zzz", ["schedule"])
+    ''
+    """
+    close = difflib.get_close_matches(word, list(candidates), n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 Scheme = Literal["host", "device"]
+"""How a print was made: XXH3 of the bytes (host) or weighted integer sums (device)."""
 
 
 class Print(NamedTuple):

@@ -25,6 +25,7 @@ LIMITS = (
     "detach, clone and protect are claims about gradients: checkpoints cannot show them.",
     "Which keys are buffers is declared (buffers=), not read from the files.",
 )
+"""What no certificate can say, printed with every one."""
 
 
 @dataclass(frozen=True)

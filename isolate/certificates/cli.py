@@ -19,9 +19,18 @@ from isolate.certificates.claims import BUFFERS
 from isolate.errors import CertificateError, IsolationError
 from isolate.spec.data import SpecData
 
-__all__ = ["add_arguments", "main", "parser", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "main", "parser", "run"]
 
 PROG = "isolate certify"
+
+DESCRIPTION = """\
+Certify from two checkpoints alone what a run froze, trained, merged and tied; write the
+certificate as JSON:
+
+    isolate certify base.safetensors tuned.safetensors --freeze backbone -o certificate.json
+    isolate certify base.ckpt last.ckpt --spec isolation.yaml --prefix net
+"""
+"""What ``isolate certify --help`` says, with examples (kept as written)."""
 
 
 class _UsageError(Exception):
@@ -170,9 +179,7 @@ def _options(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     """The parser of ``isolate certify`` on its own (see :func:`main`)."""
     p = _Parser(
-        prog=PROG,
-        description="Certify from two checkpoints alone what a run froze, trained, merged and "
-        "tied; write the certificate as JSON.",
+        prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(p)
     return p

@@ -11,6 +11,7 @@ import xxhash
 __all__ = ["FileHash", "hash_file", "label", "new_hasher"]
 
 FileHash = Literal["xxh3", "sha256", "none"]
+"""The hash recorded for each file: XXH3-128, SHA-256, or none."""
 
 
 def new_hasher(kind: FileHash) -> Any:

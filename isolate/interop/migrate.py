@@ -38,7 +38,7 @@ from torch import nn
 from isolate.errors import SpecError
 from isolate.interop.schedules import load_model, to_yaml
 
-__all__ = ["add_arguments", "from_finetuning_scheduler", "regex_to_glob", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "from_finetuning_scheduler", "regex_to_glob", "run"]
 
 _CALLER = "from_finetuning_scheduler()"
 _KNOWN = ("params", "lr", "max_transition_epoch")
@@ -132,9 +132,9 @@ def _selectors(params: object, phase: int, names: Sequence[str] | None) -> list[
             if glob is None:
                 raise SpecError(
                     f"{_CALLER}: phase {phase}: the regex {p!r} has no glob equivalent; pass "
-                    f"model= (isolate migrate --model package.module:build_model) to "
-                    f"resolve it to parameter names as finetuning-scheduler does, or write it "
-                    f"as a glob (a glob's '*' also crosses dots, so no glob says \\d+)"
+                    f"model= (isolate migrate --model module:callable) to resolve it to the "
+                    f"model's parameter names as finetuning-scheduler does, or write it as a "
+                    f"glob (a glob's '*' also crosses dots, so no glob says \\d+)"
                 )
             out.append(glob)
     return out
@@ -160,7 +160,10 @@ def from_finetuning_scheduler(
             (``re.match``); without it, simple regexes become globs (:func:`regex_to_glob`).
         epoch_transitions_only: FTS's option: phases end at ``max_transition_epoch`` only.
         base_max_lr: FTS's lr for phases that set none.
-        monitor, patience, min_delta, mode: the ``FTSEarlyStopping`` settings of the run.
+        monitor: the metric of the run's ``FTSEarlyStopping``.
+        patience: its ``patience``.
+        min_delta: its ``min_delta``.
+        mode: its ``mode``.
         bn: ``"train"`` as FTS's default ``frozen_bn_track_running_stats=True`` (frozen
             BatchNorm layers keep updating their statistics); ``"eval"`` holds them.
 
@@ -236,13 +239,34 @@ def from_finetuning_scheduler(
     return {"freeze": freeze, "bn": bn, "thaw": thaw}
 
 
+DESCRIPTION = """\
+Convert a finetuning-scheduler schedule file to an isolate spec (YAML), phase by phase:
+phase 0 trains from the start, each later phase is a thaw with its lr, ending at a plateau
+of --monitor or at the phase before's max_transition_epoch. Regexes that have no glob form
+are resolved against the model's parameter names with --model:
+
+    isolate migrate Model_ft_schedule.yaml > isolation.yaml
+    isolate migrate Model_ft_schedule.yaml --model my_project.models:build_model
+"""
+"""What ``isolate migrate --help`` says, with examples (kept as written)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``isolate migrate``."""
-    parser.add_argument("schedule", help="the finetuning-scheduler schedule (.yaml)")
+    parser.add_argument(
+        "schedule", help="the finetuning-scheduler schedule file (e.g. Model_ft_schedule.yaml)"
+    )
+    parser.add_argument(
+        "--model",
+        metavar="module:callable",
+        default=None,
+        help="build the model (called without arguments) and resolve the schedule's regexes "
+        "against its parameter names, exactly as finetuning-scheduler does",
+    )
     parser.add_argument(
         "--epoch-transitions-only",
         action="store_true",
-        help="phases move only at epoch ends, as FTS's epoch_transitions_only",
+        help="phases move only at max_transition_epoch, as FTS's epoch_transitions_only",
     )
     parser.add_argument(
         "--base-max-lr",
@@ -256,11 +280,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--patience", type=int, default=3, help="checks without improvement (default 3)"
     )
-    parser.add_argument(
-        "--model",
-        help="module:callable that returns the model: regexes then resolve to its parameter "
-        "names exactly as finetuning-scheduler resolves them",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,7 +287,15 @@ def run(args: argparse.Namespace) -> int:
     import yaml  # only here: isolate itself does not need PyYAML
 
     with open(args.schedule, encoding="utf-8") as f:
-        fts = yaml.safe_load(f)
+        try:
+            fts = yaml.safe_load(f)
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise SpecError(
+                f"{args.schedule} is not valid YAML{at}: {getattr(error, 'problem', error)}; "
+                f"fix the file (a finetuning-scheduler schedule maps phase numbers to params)"
+            ) from None
     spec = from_finetuning_scheduler(
         fts,
         model=None if args.model is None else load_model(args.model),

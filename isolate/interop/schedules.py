@@ -10,15 +10,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import pkgutil
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
+from isolate._text import did_you_mean
 from isolate.errors import SpecError
 
-__all__ = ["add_arguments", "default_schedule", "load_model", "run", "to_yaml"]
+__all__ = ["DESCRIPTION", "add_arguments", "default_schedule", "load_model", "run", "to_yaml"]
 
 
 def _blocks(model: nn.Module) -> tuple[str, list[str]]:
@@ -61,8 +63,8 @@ def default_schedule(
     if len(blocks) < 2:
         raise SpecError(
             f"default_schedule(): {type(model).__name__} has {len(blocks)} top-level block(s) "
-            f"with parameters under {prefix or 'the root'!r}; a phased schedule needs a head and "
-            f"at least one block before it. Write the schedule by hand"
+            f"with parameters under {repr(prefix[:-1]) if prefix else 'the root'}; a phased "
+            f"schedule needs a head and at least one block before it. Write the schedule by hand"
         )
     *body, _head = blocks
     thaw: list[dict[str, Any]] = []
@@ -117,38 +119,106 @@ def to_yaml(schedule: Mapping[str, Any], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-DESCRIPTION = (
-    "Print a default thaw schedule (YAML) for a model: the head trains, the blocks before it "
-    "thaw one phase at a time, from the head backwards. Edit it, then use it as the "
-    "init_args of isolate.lightning.IsolationCallback or with "
-    "IsolationSpec.from_dict(yaml.safe_load(...))."
-)
+DESCRIPTION = """\
+Print a default thaw schedule (YAML) for a model: the head trains, the blocks before it
+thaw one phase at a time, from the head backwards. Edit it, then use it as the init_args of
+isolate.lightning.IsolationCallback, or with IsolationSpec.from_dict(yaml.safe_load(...)):
+
+    isolate schedule torchvision.models:resnet18 > schedule.yaml
+    isolate schedule my_project.models:build_model --by-epoch
+"""
+"""What ``isolate schedule --help`` says, with examples (kept as written)."""
 
 
-def load_model(factory: str) -> nn.Module:
-    """The model a command line names as ``package.module:callable`` (or a module object).
+def _import(spec: str, module_name: str) -> object:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or module_name
+        if not (module_name == missing or module_name.startswith(missing + ".")):
+            raise SpecError(
+                f"{spec}: importing {module_name} needs {missing!r}, which is not installed; "
+                f"install it"
+            ) from None
+        parent, _, leaf = missing.rpartition(".")
+        try:
+            path = getattr(importlib.import_module(parent), "__path__", None) if parent else None
+        except ImportError:
+            path = None
+        found = [m.name for m in pkgutil.iter_modules(path)] if path or not parent else []
+        raise SpecError(
+            f"{spec}: no module named {missing!r}{did_you_mean(leaf, found)} (run from the folder "
+            f"that holds it, or put that folder on PYTHONPATH)"
+        ) from None
+
+
+def load_model(spec: str) -> nn.Module:
+    """The model that ``spec`` (``package.module:callable``) names: the callable called
+    without arguments, or a module-level ``nn.Module`` as it is.
+
+    Args:
+        spec: for example ``torchvision.models:resnet18``.
+
+    Returns:
+        The model.
 
     Raises:
-        SpecError: ``factory`` is not ``module:callable``, or gives no ``nn.Module``.
+        SpecError: ``spec`` is not ``module:callable``, the module does not import, the
+            attribute does not exist (with the close names), or it gives no ``nn.Module``.
+
+    >>> type(load_model("torch.nn:Identity")).__name__
+    'Identity'
+    >>> load_model("torch.nn:Identiti")
+    Traceback (most recent call last):
+    ...
+    isolate.errors.SpecError: torch.nn:Identiti: torch.nn has no attribute 'Identiti'; did \
+you mean 'Identity'? (give module:callable, a callable that returns the model)
     """
-    module_name, _, attribute = factory.partition(":")
-    if not attribute:
-        raise SpecError(f"expected module:callable, got {factory!r}")
-    made = getattr(importlib.import_module(module_name), attribute)
-    model = made if isinstance(made, nn.Module) else made()
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise SpecError(
+            f"expected module:callable (e.g. torchvision.models:resnet18), got {spec!r}"
+        )
+    module = _import(spec, module_name)
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise SpecError(
+            f"{spec}: {module_name} has no attribute {attribute!r}{did_you_mean(attribute, names)} "
+            f"(give module:callable, a callable that returns the model)"
+        )
+    if isinstance(factory, nn.Module):
+        return factory
+    if not callable(factory):
+        raise SpecError(f"{spec}: {type(factory).__name__} is not callable; give a model factory")
+    try:
+        model = factory()
+    except TypeError as error:
+        raise SpecError(
+            f"{spec}: calling it without arguments failed ({error}); give a callable that "
+            f"builds the model on its own (a function of your own around it)"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise SpecError(f"{factory} returned {type(model).__name__}, not a torch.nn.Module")
+        raise SpecError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``isolate schedule``."""
-    parser.add_argument("factory", help="module:callable that returns the model (no arguments)")
-    parser.add_argument("--monitor", default="val_loss", help="metric ending each phase")
+    parser.add_argument(
+        "factory",
+        metavar="module:callable",
+        help="what builds the model, called without arguments (e.g. torchvision.models:resnet18)",
+    )
+    parser.add_argument(
+        "--monitor", default="val_loss", help="metric whose plateau ends a phase (default val_loss)"
+    )
     parser.add_argument(
         "--patience", type=int, default=3, help="checks without improvement (default 3)"
     )
-    parser.add_argument("--by-epoch", action="store_true", help="one phase per epoch instead")
+    parser.add_argument(
+        "--by-epoch", action="store_true", help="one phase per epoch instead of plateaus"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ from isolate.lightning.strategies import (
 )
 from isolate.spec import IsolationSpec, Thaw, ThawKeys
 from isolate.spec.cadence import Cadence
+from isolate.spec.checks import Tally
 from isolate.spec.handle import IsolationHandle
 from isolate.spec.isolation import apply as apply_spec
 
@@ -78,7 +79,7 @@ class IsolationCallback(Callback):
     Args:
         spec: the :class:`~isolate.IsolationSpec`; or give its keywords instead.
         freeze, detach, clone, bn, thaw, protect, frozen_in_optimizer, mode, contracts: the
-            keywords of :class:`~isolate.IsolationSpec` (``thaw`` items may be
+            keywords of :class:`~isolate.IsolationSpec`, each as there (``thaw`` items may be
             :class:`ThawKeys` mappings, ``contracts`` items mappings with a ``kind``).
         verify_every_n_steps: how often to check, in optimizer steps (step 0 included);
             ``0`` turns the periodic checks and gradient-norm logging off.
@@ -185,6 +186,7 @@ class IsolationCallback(Callback):
         self.ledger: Ledger | None = None
         self.verdicts: dict[str, Any] = {}  # the contracts' verdicts of the last fit
         self.handle: IsolationHandle | None = None
+        self.tally = Tally()  # the last fit's handle.tally, kept after the handle is restored
         self.saved = SavedState(_CALLER)
         self._modes: list[tuple[nn.Module, bool]] = []
         self._validations = 0  # validation runs seen in this fit (monitor thaws need them)
@@ -210,6 +212,7 @@ class IsolationCallback(Callback):
     def _apply(self, pl_module: pl.LightningModule) -> None:
         self.handle = apply_spec(self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift)
         self.verdicts = self.handle.contracts.verdicts  # updated in place, kept after teardown
+        self.tally = self.handle.tally
         cadence = self.cadence
         self.handle.check_every(
             cadence.every,

@@ -8,11 +8,31 @@ from collections.abc import Mapping, Sequence
 
 from isolate.errors import SpecError
 
-__all__ = ["check_plain", "is_int", "number", "string_list", "unknown_keys"]
+__all__ = ["check_plain", "is_int", "number", "string_list", "unknown_keys", "yaml_number_hint"]
 
 
 def number(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def yaml_number_hint(value: object) -> str:
+    """The fix for a number YAML read as a string: PyYAML (YAML 1.1) reads ``1e-3`` as the
+    string ``'1e-3'``, and only ``1.0e-3`` as a float.
+
+    >>> yaml_number_hint("1e-3")
+    ' (YAML reads 1e-3 as a string: write 1.0e-3)'
+    >>> yaml_number_hint(0.1), yaml_number_hint("fast")
+    ('', '')
+    """
+    if not isinstance(value, str):
+        return ""
+    try:
+        parsed = float(value)
+    except ValueError:
+        return ""
+    mantissa, e, exponent = value.strip().lower().partition("e")
+    fixed = f"{mantissa}.0e{exponent}" if e and "." not in mantissa else repr(parsed)
+    return f" (YAML reads {value} as a string: write {fixed})"
 
 
 def is_int(value: object) -> bool:

@@ -22,7 +22,8 @@ from isolate.spec.plan import Wrap
 
 __all__ = ["RECORD_LIMIT", "Branches"]
 
-RECORD_LIMIT = 64  # calls of one detach branch recorded between two resets
+RECORD_LIMIT = 64
+"""Calls of one detach branch recorded between two resets (more is an error: a loop)."""
 
 
 class Branches:

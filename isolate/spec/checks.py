@@ -38,6 +38,7 @@ from isolate.spec.plan import Plan
 from isolate.spec.ranks import check_ranks, world_size
 
 __all__ = [
+    "Tally",
     "Verification",
     "check_drift",
     "check_flags",
@@ -75,6 +76,63 @@ class Verification:
     ranks: int = 1
     contracts: Mapping[str, int] = field(default_factory=dict)
     violations: tuple[str, ...] = ()
+
+
+_SAID = {
+    "reach": "the loss backpropagated reached each of {n} trainable parameters",
+    "drift": "{n} frozen tensors (parameters, held BatchNorm buffers) unchanged since frozen",
+    "flags": "{n} frozen parameters still had requires_grad=False",
+    "optimizers": "{n} optimizer(s) held no frozen parameter",
+    "ranks": "{n} process(es) held the same frozen tensors",
+}
+
+
+@dataclass
+class Tally:
+    """What every :meth:`~isolate.spec.handle.IsolationHandle.verify` of a handle checked,
+    added up: how often each check ran, and what its last run counted (``handle.tally``).
+
+    >>> tally = Tally()
+    >>> tally.add(Verification(losses={"probe": 4}, drift=4), ("losses", "drift"))
+    >>> tally.add(Verification(drift=4), ("drift",))
+    >>> print(tally)
+    verify ran 2 times; every check passed:
+      losses (1x): 'probe' reached none of the 4 parameters it must not reach
+      drift (2x): 4 frozen tensors (parameters, held BatchNorm buffers) unchanged since frozen
+    """
+
+    runs: int = 0
+    times: dict[str, int] = field(default_factory=dict)
+    last: dict[str, Verification] = field(default_factory=dict)
+
+    def add(self, verification: Verification, checks: Collection[str]) -> None:
+        """Count one verification that ran ``checks``. A check with nothing to look at is not
+        counted: ``losses`` without losses, ``reach`` without a total loss, ``ranks`` in one
+        process."""
+        self.runs += 1
+        looked = {
+            "losses": bool(verification.losses),
+            "reach": verification.reach > 0,
+            "ranks": verification.ranks > 1,
+        }
+        ran = [c for c in checks if looked.get(c, True)]
+        for check in ran:
+            self.times[check] = self.times.get(check, 0) + 1
+            self.last[check] = verification
+
+    def __str__(self) -> str:
+        lines = [f"verify ran {self.runs} times; every check passed:"]
+        for check, times in self.times.items():
+            last = self.last[check]
+            if check == "losses":
+                said = "; ".join(
+                    f"{name!r} reached none of the {n} parameters it must not reach"
+                    for name, n in last.losses.items()
+                )
+            else:
+                said = _SAID[check].format(n=getattr(last, check))
+            lines.append(f"  {check} ({times}x): {said}")
+        return "\n".join(lines)
 
 
 def watch(
@@ -160,6 +218,7 @@ def check_reach(
 
 
 def check_flags(frozen: Mapping[str, nn.Parameter], when: str, caller: str) -> list[IsolationError]:
+    """A :class:`~isolate.errors.DriftError` for frozen parameters that require grad again."""
     unfrozen = [n for n, p in frozen.items() if p.requires_grad]
     if not unfrozen:
         return []

@@ -7,6 +7,8 @@ callback all drive the same handle; the engine itself imports neither Lightning 
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
@@ -25,6 +27,7 @@ from isolate.freezing import FreezeHandle
 from isolate.spec.branches import Branches
 from isolate.spec.cadence import CHECKS, Cadence, Loop
 from isolate.spec.checks import (
+    Tally,
     Verification,
     run_checks,
     watch,
@@ -40,8 +43,15 @@ __all__ = ["IsolationHandle", "warn_user"]
 
 
 def warn_user(message: str) -> None:
-    """Warn with an :class:`~isolate.IsolationWarning` pointing at the user's call."""
-    warnings.warn(message, IsolationWarning, stacklevel=4)
+    """Warn with an :class:`~isolate.IsolationWarning` pointing at the user's call: the first
+    frame outside the ``isolate`` package, however deep inside it the warning is raised."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        package
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, IsolationWarning, stacklevel=level)
 
 
 class IsolationHandle:
@@ -97,6 +107,7 @@ class IsolationHandle:
         self.loop = Loop(self, Cadence())
         self._stepped = False  # whether step() ever ran: the schedule is being driven
         self._guards: dict[int, RemovableHandle] = {}  # id(optimizer) -> its step pre-hook
+        self.tally = Tally()  # what every verify that found nothing checked, added up
 
     def start(self) -> None:
         """Freeze, hold and wrap as the plan says (undone by :meth:`restore`)."""
@@ -333,6 +344,8 @@ class IsolationHandle:
             raise found[0]
         for error in found:
             self._warn(str(error))
+        if not found:
+            self.tally.add(verification, checks)
         return verification
 
     def check_every(

@@ -153,7 +153,9 @@ def apply(
     :meth:`IsolationSpec.apply` does, with the caller and warning channel of an integration.
 
     Raises:
-        As :meth:`IsolationSpec.apply`; on any error the model and optimizer are as before.
+        SelectorError: as :meth:`IsolationSpec.apply`.
+        SpecError: as :meth:`IsolationSpec.apply`. On any error the model and the optimizer
+            are exactly as before.
     """
     if not isinstance(spec, SpecData):
         raise IsolationTypeError(f"{caller}: spec must be an IsolationSpec, got {type(spec)}")

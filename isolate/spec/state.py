@@ -20,6 +20,7 @@ from isolate.spec.plan import Plan
 __all__ = ["FORMAT", "check_state", "plain", "saved_state"]
 
 FORMAT = 1
+"""The version of ``handle.state_dict()``'s layout, saved with it."""
 
 
 def plain(value: object, caller: str) -> Any:

@@ -7,11 +7,12 @@ from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, Literal, TypedDict
 
 from isolate.errors import SpecError
-from isolate.spec._fields import is_int, number, string_list, unknown_keys
+from isolate.spec._fields import is_int, number, string_list, unknown_keys, yaml_number_hint
 
 __all__ = ["BN", "Thaw", "ThawKeys", "check_lr"]
 
 BN = Literal["eval", "train"]
+"""How frozen BatchNorm layers behave: held in eval mode, or following the model's mode."""
 Shape = Literal["linear", "cosine", "exponential"]
 _EXTRA = (
     "warmup_ratio",
@@ -37,7 +38,10 @@ def _check_ramp(thaw: Thaw, where: str) -> None:
                 f"the lr to start from, e.g. 0.1)"
             )
     elif not number(ratio) or not 0 < ratio <= 1:
-        raise SpecError(f"{where}: warmup_ratio must be a number in (0, 1], got {ratio!r}")
+        raise SpecError(
+            f"{where}: warmup_ratio must be a number in (0, 1], got {ratio!r}"
+            + yaml_number_hint(ratio)
+        )
     elif (steps is None) == (epochs is None):
         raise SpecError(
             f"{where}: warmup_ratio={ratio} needs exactly one of warmup_steps= or "
@@ -72,7 +76,7 @@ def check_lr(lr: object, where: str) -> None:
     if lr is not None and (not number(lr) or lr <= 0):  # type: ignore[operator]
         raise SpecError(
             f"{where}: lr must be a finite number > 0 or None (the settings of the group "
-            f"the parameters came from), got {lr!r}"
+            f"the parameters came from), got {lr!r}{yaml_number_hint(lr)}"
         )
 
 
@@ -82,7 +86,10 @@ def _check_monitor(thaw: Thaw, where: str) -> None:
     if not is_int(thaw.patience) or thaw.patience < 1:
         raise SpecError(f"{where}: patience must be an integer >= 1, got {thaw.patience!r}")
     if not number(thaw.min_delta) or thaw.min_delta < 0:
-        raise SpecError(f"{where}: min_delta must be a number >= 0, got {thaw.min_delta!r}")
+        raise SpecError(
+            f"{where}: min_delta must be a number >= 0, got {thaw.min_delta!r}"
+            + yaml_number_hint(thaw.min_delta)
+        )
     if thaw.mode not in ("min", "max"):
         raise SpecError(f"{where}: mode must be 'min' or 'max', got {thaw.mode!r}")
     if not isinstance(thaw.carry_best, bool):

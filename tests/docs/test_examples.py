@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,17 +109,93 @@ def test_lightning_example_equals_training_by_hand(tmp_path: Path, reference: Ne
     module = lightning_callback.train(4, tmp_path)
     assert_bitwise_equal(module.net, reference)
     assert type(module.net.probe) is nn.Linear
+    assert (tmp_path / "last.ckpt").is_file()
 
 
-@pytest.mark.parametrize("script", ["plain_loop.py", "fabric_loop.py"])
-def test_scripts_run_from_the_command_line(tmp_path: Path, script: str, reference: Net) -> None:
+@pytest.mark.slow
+def test_lightning_example_resumed_equals_uninterrupted(tmp_path: Path, reference: Net) -> None:
+    stopped = lightning_callback.train(4, tmp_path, stop_after=2)  # the thaw comes at epoch 2
+    assert not torch.equal(stopped.net.head.weight, reference.head.weight)
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert (state["epoch"], state["global_step"]) == (2, 16)  # two epochs of 8 steps done
+    resumed = lightning_callback.train(4, tmp_path, resume=True)
+    assert_bitwise_equal(resumed.net, reference)
+
+
+def documented_commands() -> list[str]:
+    """The example commands the README gives, in its ``<!-- examples -->`` block."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- examples -->\n```bash\n(.*?)```", text, flags=re.S)
+    assert block is not None, "README.md has no <!-- examples --> block"
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_each_example_documents_the_commands_the_readme_gives() -> None:
+    commands = documented_commands()
+    for script in ("plain_loop.py", "fabric_loop.py", "lightning_callback.py"):
+        given = [c for c in commands if c.startswith(f"python examples/{script}")]
+        assert given, script
+        doc = (REPO / "examples" / script).read_text().split('"""')[1]
+        for command in given:
+            assert command in doc, command
+
+
+def test_help_keeps_the_docstrings_command_block() -> None:
     out = subprocess.run(
-        [sys.executable, str(REPO / "examples" / script), "--epochs", "4"],
-        cwd=tmp_path,
+        [sys.executable, str(REPO / "examples" / "plain_loop.py"), "--help"],
         env=child_env(),
         capture_output=True,
         text=True,
         check=True,
-    )
-    checksum = float(reference.head.weight.detach().double().sum())
-    assert f"head weight checksum: {checksum:.6f}" in out.stdout
+    ).stdout
+    assert "\n    python examples/plain_loop.py --epochs 4\n" in out
+    assert "--checkpoint CHECKPOINT" in out and "resume from this file" in out
+
+
+@pytest.mark.slow
+def test_the_readmes_example_commands_run_as_written(tmp_path: Path, reference: Net) -> None:
+    """Each command from a folder holding ``examples/`` (as the repository root does): a run
+    that finishes prints what verify checked and the checksum of the training by hand, a run
+    stopped on purpose says how to finish."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    checksum = f"head weight checksum: {float(reference.head.weight.detach().double().sum()):.6f}"
+    for command in documented_commands():
+        words = command.split()
+        assert words[0] == "python"
+        done = subprocess.run(
+            [sys.executable, *words[1:]],
+            cwd=tmp_path,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+        out = done.stdout
+        assert re.search(r"^verify ran \d+ times; every check passed:$", out, re.M), command
+        assert "  losses (" in out and "'probe' reached none of the 6 parameters" in out
+        if "--stop-after" in command:
+            assert "Stopped early on purpose" in out, command
+        else:
+            assert checksum in out, (command, out)
+            assert "Why this checksum:" in out
+
+
+@pytest.mark.parametrize(
+    ("example", "argv", "says"),
+    [
+        (plain_loop, ["--epoks", "4"], "unknown option '--epoks'; did you mean '--epochs'?"),
+        (fabric_loop, ["--stop-afer", "2"], "did you mean '--stop-after'?"),
+        (lightning_callback, ["--rot", "run"], "did you mean '--root'?"),
+        (lightning_callback, ["--root", "{tmp}", "--resume"], "last.ckpt does not exist"),
+    ],
+)
+def test_a_typo_is_one_line_naming_the_fix(
+    example: Any, argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        example.main([a.format(tmp=tmp_path) for a in argv])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"python examples/{Path(example.__file__).name}: error: ")
+    assert says in line

@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+import pytest
 
 from tests._launch import REPO
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+def _blocks(language: str, page: Path = README) -> list[str]:
+    """The ``language`` code blocks of ``page``, but those marked ``<!-- not run -->``."""
+    found = re.findall(
+        rf"(<!-- not run -->\n)?```{language}\n(.*?)```", page.read_text(), flags=re.S
+    )
+    return [block for skipped, block in found if not skipped]
 
 
-def test_python_snippets_run(capsys: object) -> None:
-    blocks = _blocks("python")
-    assert blocks
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), {})
+@pytest.mark.parametrize(
+    "page", [README, *sorted(DOCS.glob("*.md"))], ids=lambda p: str(p.relative_to(REPO))
+)
+def test_python_snippets_run(page: Path, capsys: object) -> None:
+    for block in _blocks("python", page):
+        exec(compile(block, str(page), "exec"), {})
+
+
+def test_the_readme_and_the_guides_have_snippets_that_run() -> None:
+    assert _blocks("python", README)
+    for page in ("guide.md", "spec.md", "proving.md", "migration.md"):
+        assert _blocks("python", DOCS / page), page
 
 
 def test_two_commands_do_all_the_set_up() -> None:

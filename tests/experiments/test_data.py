@@ -337,6 +337,7 @@ def test_gz_files_are_read_through_a_temporary_copy(tmp_path) -> None:
 
 
 def test_no_data_raises_data_not_found_with_the_flags_to_pass(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
     before = sorted(tmp_path.rglob("*"))
     dm = MNISTDataModule(data_root="empty", download=False)
     with pytest.raises(DataNotFoundError, match=r"^MNISTDataModule: MNIST files not found") as e:
@@ -721,3 +722,16 @@ def test_jsonargparse_reads_the_signature() -> None:
 def test_the_module_doctests_pass() -> None:
     result = doctest.testmod(data_mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_data_root_that_does_not_exist_is_named_before_any_download(tmp_path, hermetic) -> None:
+    dm = MNISTDataModule(data_root=str(tmp_path / "typo"))  # download=None: would download
+    with pytest.raises(DataNotFoundError) as e:
+        dm.prepare_data()
+    assert hermetic == []  # no network: the missing folder is the likelier mistake
+    assert f"(--data.data_root): the folder {tmp_path / 'typo'} does not exist" in str(e.value)
+    assert e.value.hint.startswith(f"To fix: the data root {tmp_path / 'typo'} does not exist")
+    dm = MNISTDataModule(data_root=str(tmp_path / "typo"), download=True)  # asked for: tried
+    with pytest.raises(DataNotFoundError, match="download=True but the MNIST download"):
+        dm.prepare_data()
+    assert hermetic
