@@ -78,9 +78,17 @@ class IsolationCallback(Callback):
 
     Args:
         spec: the :class:`~isolate.IsolationSpec`; or give its keywords instead.
-        freeze, detach, clone, bn, thaw, protect, frozen_in_optimizer, mode, contracts: the
-            keywords of :class:`~isolate.IsolationSpec`, each as there (``thaw`` items may be
-            :class:`ThawKeys` mappings, ``contracts`` items mappings with a ``kind``).
+        freeze: what to freeze, as ``IsolationSpec(freeze=...)``.
+        detach: the branches to detach, as ``IsolationSpec(detach=...)``.
+        clone: the branches to clone, as ``IsolationSpec(clone=...)``.
+        bn: how frozen BatchNorm layers behave, as ``IsolationSpec(bn=...)``.
+        thaw: the thaw steps, as ``IsolationSpec(thaw=...)`` (items may be
+            :class:`ThawKeys` mappings).
+        protect: loss name -> what it must not reach, as ``IsolationSpec(protect=...)``.
+        frozen_in_optimizer: as ``IsolationSpec(frozen_in_optimizer=...)``.
+        mode: hold the frozen part in eval mode as a whole, as ``IsolationSpec(mode=...)``.
+        contracts: the methods' contracts, as ``IsolationSpec(contracts=...)`` (mappings
+            with a ``kind``).
         verify_every_n_steps: how often to check, in optimizer steps (step 0 included);
             ``0`` turns the periodic checks and gradient-norm logging off.
         on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` with an
