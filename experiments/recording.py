@@ -50,6 +50,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from experiments.certifying import save_weights, write_certificate
 from experiments.formats import jsonable
 from isolate import gradient_report
 from isolate.cutoff import cut_off_parameters, trace_forward
@@ -153,6 +154,8 @@ class Recorder(pl.Callback):
         verbose: print the summary line at the end of ``fit``.
         progress: print a compact line after every validation (for logs, where a progress
             bar is no use).
+        certify: keep the weights at the first and the last step and certify the run from
+            them (:mod:`experiments.certifying`).
     """
 
     def __init__(
@@ -164,8 +167,10 @@ class Recorder(pl.Callback):
         reference: str | None = None,
         verbose: bool = True,
         progress: bool = False,
+        certify: bool = False,
     ) -> None:
         super().__init__()
+        self.certify = bool(certify)
         self.output = Path(output) if output else None
         self.name = name
         self.trunk_attr = trunk
@@ -207,6 +212,8 @@ class Recorder(pl.Callback):
         self._cut_at_start = {}
         trunk = self._trunk(pl_module)
         self._snapshot = snapshot(trunk) if trunk is not None else None
+        if self.certify and self.output is not None and trainer.world_size == 1:
+            save_weights(pl_module, self.output / "first.pt")
         self._names = _kinds(trunk) if trunk is not None else {}
         self._layers = _layers(trunk) if trunk is not None else {}
         self._batch_step = 0
@@ -392,6 +399,10 @@ class Recorder(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.record["status"] = "ok"
+        if self.certify and self.output is not None and trainer.is_global_zero:
+            if trainer.world_size == 1:
+                save_weights(pl_module, self.output / "last.pt")
+            self.record["certificate"] = write_certificate(trainer, self.output)
         self._finish(trainer, pl_module)
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -49,6 +49,7 @@ def write_report(results: dict[str, Any], output: Path) -> list[Path]:
     lines += _gradients(results, output)
     lines += _audit(results)
     lines += _contracts(results)
+    lines += _certificates(results)
     lines += _accuracy(results, output)
     lines += render_declared(results, output)
     markdown = output / "report.md"
@@ -292,6 +293,33 @@ def _contracts(results: dict[str, Any]) -> list[str]:
         "declares the contract of the method it gets wrong and warns instead of stopping.",
         "",
         table(["run", "contract", "kind", "clause checks", "verdict", "first violation"], rows),
+        "",
+    ]
+
+
+def _certificates(results: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, record in results["runs"].items():
+        cert = record.get("certificate")
+        if not cert:
+            continue
+        if "skipped" in cert:
+            rows.append([name, "none", cert["skipped"], ""])
+            continue
+        link = f"[{cert['file']}](runs/{name}/{cert['file']})"
+        verdict = "clean" if cert["clean"] else "FAILED"
+        rows.append([name, verdict, "; ".join(cert["summary"]), link])
+    if not rows:
+        return []
+    return [
+        "## Certificates from the checkpoints alone",
+        "",
+        "`isolate certify first.pt last.pt` under the run's own spec, from the weights at the "
+        "first and the last step and nothing else: every frozen tensor bitwise unchanged, "
+        "every trainable one moved. A certificate shows which tensors changed; it cannot show "
+        "which loss changed them (the contracts and checks above do).",
+        "",
+        table(["run", "certificate", "what it proves", "file"], rows),
         "",
     ]
 

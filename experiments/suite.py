@@ -175,6 +175,7 @@ def run_variant(
         "--record.verbose=false",
         f"--record.progress={str(not progress_bar).lower()}",
         f"--record.save_grads={str(save_grads).lower()}",
+        f"--record.certify={str(variant.certify).lower()}",
         *overrides,
     ]
     if reference is not None:

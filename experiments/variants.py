@@ -31,7 +31,7 @@ __all__ = ["CONFIGS", "KEY", "Variant", "discover", "load", "select"]
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 KEY = "variant"
-_FIELDS = {"role", "compare_with", "reference", "claims", "report"}
+_FIELDS = {"role", "compare_with", "reference", "certify", "claims", "report"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Variant:
             (it saves them).
         compare_with: the run whose per-step trunk gradient and final trunk this one is
             compared with.
+        certify: certify the run from its first and last weights (:mod:`experiments.certifying`).
         claims: the checks of :mod:`experiments.claims`, each ``{"check": kind, ...}``.
         report: the sections of :mod:`experiments.sections`, each ``{"section": kind, ...}``.
     """
@@ -54,6 +55,7 @@ class Variant:
     config: Path
     role: str = ""
     reference: bool = False
+    certify: bool = False
     compare_with: str | None = None
     claims: tuple[Mapping[str, Any], ...] = field(default=())
     report: tuple[Mapping[str, Any], ...] = field(default=())
@@ -113,6 +115,7 @@ def load(config: Path) -> Variant:
         config=config,
         role=str(block.get("role", "")),
         reference=bool(block.get("reference", False)),
+        certify=bool(block.get("certify", False)),
         compare_with=block.get("compare_with"),
         claims=claims,
         report=report,

@@ -415,7 +415,7 @@ def cut_off_parameters(
     Raises:
         IsolationTypeError: an argument has the wrong type.
         SelectorError: an ``expected_unused`` selector matches no parameter.
-        BlindSpotError: as :func:`isolate.reachable_parameters`: a reentrant checkpoint
+        BlindSpotError: as :func:`isolate.reachability.reachable_parameters`: a reentrant checkpoint
             cannot be re-run, or a compiled region's backward graph cannot be read.
 
     Note:

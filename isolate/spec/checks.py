@@ -112,6 +112,7 @@ class Tally:
         self.runs += 1
         looked = {
             "losses": bool(verification.losses),
+            "contracts": bool(verification.contracts),
             "reach": verification.reach > 0,
             "ranks": verification.ranks > 1,
         }
@@ -129,6 +130,13 @@ class Tally:
                     f"{name!r} reached none of the {n} parameters it must not reach"
                     for name, n in last.losses.items()
                 )
+            elif check == "contracts":
+                said = "; ".join(
+                    f"contract {name!r} held ({n} clause checks)"
+                    for name, n in last.contracts.items()
+                )
+            elif check not in _SAID:
+                said = "passed"
             else:
                 said = _SAID[check].format(n=getattr(last, check))
             lines.append(f"  {check} ({times}x): {said}")

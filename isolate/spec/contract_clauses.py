@@ -220,12 +220,14 @@ class Clauses:
 def reached_names(
     ctx: Context, params: Mapping[str, nn.Parameter], leaves: Mapping[int, object]
 ) -> list[str]:
+    """The names of ``params`` among the ``leaves`` of a walk (the parameters it reaches)."""
     return [n for n, p in params.items() if id(p) in leaves]
 
 
 def no_loss_reaches(
     ctx: Context, contract: Contract, clause: str, params: Mapping[str, nn.Parameter]
 ) -> list[Outcome]:
+    """The clause "no loss reaches these parameters", over every loss the check was given."""
     sources = ctx.sources()
     if not sources:
         return []
@@ -239,6 +241,7 @@ def no_loss_reaches(
 def no_optimizer_holds(
     ctx: Context, contract: Contract, clause: str, params: Mapping[str, nn.Parameter]
 ) -> list[Outcome]:
+    """The clause "no optimizer holds these parameters", over every attached optimizer."""
     if not ctx.optimizers:
         return [
             (

@@ -59,6 +59,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "probe": (("select", "loss"), ("within",)),
     "trains": (("select", "within"), ()),
 }
+"""Kind -> (its required keys, its optional keys)."""
 _MODULES = ("target", "online", "through", "features", "classifier")  # one submodule each
 _SELECTORS = ("select", "blocked")
 

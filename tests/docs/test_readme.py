@@ -25,8 +25,9 @@ def _blocks(language: str, page: Path = README) -> list[str]:
     "page", [README, *sorted(DOCS.glob("*.md"))], ids=lambda p: str(p.relative_to(REPO))
 )
 def test_python_snippets_run(page: Path, capsys: object) -> None:
+    namespace: dict[str, object] = {}  # a page reads top to bottom: later blocks build on earlier
     for block in _blocks("python", page):
-        exec(compile(block, str(page), "exec"), {})
+        exec(compile(block, str(page), "exec"), namespace)
 
 
 def test_the_readme_and_the_guides_have_snippets_that_run() -> None:

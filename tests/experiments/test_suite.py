@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+import isolate
 from experiments.model import IsolationNet
 from experiments.suite import run_suite
+from isolate import IsolationSpec
 from tests._launch import REPO, child_env
 from tests.experiments._shared import (
     BEFORE_THE_LAST_LAYER,
@@ -191,6 +193,34 @@ def test_frozen_trunk_does_not_drift(suite: tuple[Path, dict[str, Any]]) -> None
     assert naive["drift"]["parameters"] == [0.0] * steps
     assert all(d > 0.0 for d in naive["drift"]["buffers"])  # requires_grad alone: BN moves
     assert frozen["test"]["acc/main"] > frozen["chance"]["acc/main"]
+
+
+@needs_data
+@pytest.mark.slow
+def test_the_frozen_trunk_run_is_certified_from_its_first_and_last_weights(
+    suite: tuple[Path, dict[str, Any]],
+) -> None:
+    output, results = suite
+    cert = results["runs"]["frozen_trunk"]["certificate"]
+    assert cert["clean"] is True and cert["file"] == "certificate.json"
+    assert cert["summary"] == [
+        "trunk: 8 frozen, bitwise unchanged; 6 held, bitwise unchanged",
+        "head: 2 trainable, moved",
+    ]
+    written = json.loads((output / "runs" / "frozen_trunk" / "certificate.json").read_text())
+    assert written["clean"] is True
+    assert "certificate" not in results["runs"]["frozen_trunk_naive"]  # it declares none
+    report = (output / "report.md").read_text()
+    assert "| frozen_trunk | clean | trunk: 8 frozen, bitwise unchanged" in report
+    assert "[certificate.json](runs/frozen_trunk/certificate.json)" in report
+    # The certificate sees a change of one bit in a frozen tensor of the last weights.
+    last = torch.load(output / "runs" / "frozen_trunk" / "last.pt", weights_only=True)
+    last["trunk.0.weight"].view(-1).view(torch.int32)[0] ^= 1
+    torch.save(last, output / "tampered.pt")
+    spec = IsolationSpec(freeze=["trunk"], mode="eval")
+    first = output / "runs" / "frozen_trunk" / "first.pt"
+    tampered = isolate.certify(first, output / "tampered.pt", spec=spec)
+    assert not tampered.clean and "trunk.0.weight" in str(tampered)
 
 
 @needs_data
