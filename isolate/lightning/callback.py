@@ -31,8 +31,7 @@ from isolate.lightning.strategies import (
 )
 from isolate.spec import IsolationSpec, Thaw, ThawKeys
 from isolate.spec.cadence import Cadence
-from isolate.spec.checks import Tally
-from isolate.spec.handle import IsolationHandle
+from isolate.spec.handle import IsolationHandle, Tally
 from isolate.spec.isolation import apply as apply_spec
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]

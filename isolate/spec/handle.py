@@ -39,7 +39,7 @@ from isolate.spec.state import check_state, saved_state
 from isolate.spec.thaw import check_lr
 from isolate.spec.thawing import Thaws
 
-__all__ = ["IsolationHandle", "warn_user"]
+__all__ = ["IsolationHandle", "Tally", "warn_user"]
 
 
 def warn_user(message: str) -> None:
