@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import operator
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -12,7 +15,7 @@ from isolate._selectors import is_float
 from isolate._text import counted
 from isolate.errors import IsolationTypeError
 
-__all__ = ["check_params", "write_flags"]
+__all__ = ["HandleSequence", "check_params", "outside_compile", "write_flags"]
 
 _dtype = operator.attrgetter("dtype")
 # Types whose requires_grad_ is torch's own, so assigning .requires_grad does the same thing
@@ -88,3 +91,37 @@ def write_flags(params: list[nn.Parameter], flags: list[bool] | bool, plain: boo
     else:
         for p, flag in zip(params, flags, strict=True):
             p.requires_grad_(flag)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_compile(fn: _F) -> _F:
+    """Keep ``fn`` out of compiled graphs: a flag flipped while tracing would be baked in.
+
+    ``torch._disable_dynamo`` is ``torch.compiler.disable`` that imports the compiler on the
+    first call instead of now: ``import isolate`` stays as light as ``import torch``.
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is None:  # pragma: no cover - torch versions without the lazy form
+        return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+    return cast(_F, lazy(fn))
+
+
+class HandleSequence:
+    """Numbers handles in creation order; handles loaded from a pickle keep their numbers and
+    move the count past them, so a handle made afterwards is still the newer one."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            seq = self._next
+            self._next += 1
+            return seq
+
+    def past(self, seq: int) -> None:
+        with self._lock:
+            self._next = max(self._next, seq + 1)

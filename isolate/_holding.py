@@ -14,11 +14,16 @@ from typing import Any
 
 from torch import nn
 
+from isolate.errors import SelectorError
+
 __all__ = [
+    "POLICIES",
     "READS_TRAINING",
     "ModeHold",
+    "check_policy",
     "find_hold",
     "held_policy",
+    "policy_of",
     "pop_hold",
     "push_hold",
     "reads_training",
@@ -152,3 +157,32 @@ def pop_hold(module: nn.Module, seq: int) -> None:
     state.stack = [entry for entry in state.stack if entry[0] != seq]
     if not state.stack:
         del module._forward_pre_hooks[key]
+
+
+POLICIES = ("eval", "train")
+
+
+def check_policy(bn: object, caller: str) -> str:
+    """``bn`` if it names a policy (``"eval"`` or ``"train"``), else the error naming it."""
+    if bn not in POLICIES:
+        raise SelectorError(
+            f"{caller}: bn={bn!r} is not a BatchNorm policy; expected one of {list(POLICIES)}"
+        )
+    return str(bn)
+
+
+def policy_of(mode: object, bn: object, default: str, caller: str) -> tuple[str, bool]:
+    """The policy to push, and whether it goes on every mode-dependent layer (``mode=``) or
+    on the BatchNorm layers only (``bn=``, the older and narrower spelling)."""
+    if mode is None:
+        return check_policy(default if bn is None else bn, caller), False
+    if bn is not None:
+        raise SelectorError(
+            f"{caller}: give mode= (every layer whose behaviour depends on its mode) or bn= "
+            f"(BatchNorm layers only), not both; got mode={mode!r}, bn={bn!r}"
+        )
+    if mode not in POLICIES:
+        raise SelectorError(
+            f"{caller}: mode={mode!r} is not a mode; expected one of {list(POLICIES)}"
+        )
+    return str(mode), True

@@ -41,3 +41,8 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """
     close = difflib.get_close_matches(word, list(candidates), n=2, cutoff=0.6)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def formatted(value: float | None, spec: str) -> str:
+    """``value`` in ``spec``, or ``-`` for a missing one (a table cell)."""
+    return "-" if value is None else format(value, spec)

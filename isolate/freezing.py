@@ -10,21 +10,20 @@ layers, or with ``mode=`` of every module whose behaviour depends on its mode) a
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, Literal, TypeVar, cast
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from isolate._flags import check_params, write_flags
-from isolate._holding import held_policy, pop_hold, push_hold
+from isolate._flags import HandleSequence, check_params, outside_compile, write_flags
+from isolate._holding import check_policy, held_policy, policy_of, pop_hold, push_hold
 from isolate._selectors import Selector, check_module, select
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
-from isolate.errors import IsolationWarning, RestoreError, SelectorError
+from isolate.errors import IsolationWarning, RestoreError
 from isolate.exposure import Exposure, optimizer_exposure, unwrap_optimizer
 
 __all__ = [
@@ -40,43 +39,9 @@ __all__ = [
 
 BNPolicy = Literal["eval", "train"]
 Mode = Literal["eval", "train"]
-_BN_POLICIES = ("eval", "train")
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _outside_compile(fn: _F) -> _F:
-    """Keep ``fn`` out of compiled graphs: a flag flipped while tracing would be baked in.
-
-    ``torch._disable_dynamo`` is ``torch.compiler.disable`` that imports the compiler on the
-    first call instead of now: ``import isolate`` stays as light as ``import torch``.
-    """
-    lazy = getattr(torch, "_disable_dynamo", None)
-    if lazy is None:  # pragma: no cover - torch versions without the lazy form
-        return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
-    return cast(_F, lazy(fn))
-
-
-class _Sequence:
-    """Numbers handles in creation order; handles loaded from a pickle keep their numbers and
-    move the count past them, so a handle made afterwards is still the newer one."""
-
-    def __init__(self) -> None:
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def take(self) -> int:
-        with self._lock:
-            seq = self._next
-            self._next += 1
-            return seq
-
-    def past(self, seq: int) -> None:
-        with self._lock:
-            self._next = max(self._next, seq + 1)
-
-
-_sequence = _Sequence()
+_sequence = HandleSequence()
 _active: weakref.WeakSet[FreezeHandle] = weakref.WeakSet()
 
 
@@ -134,7 +99,7 @@ class FreezeHandle:
         requires_grad: bool,
         bn: str,
     ) -> None:
-        bn = _check_bn(bn, caller)
+        bn = check_policy(bn, caller)
         values, plain = check_params(model, caller, params, requires_grad)
         self._seq = _sequence.take()
         self._caller = caller
@@ -194,7 +159,7 @@ class FreezeHandle:
         """Whether :meth:`restore` has yet to be called."""
         return self._active
 
-    @_outside_compile
+    @outside_compile
     def restore(self) -> None:
         """Write back the ``requires_grad`` flags and BatchNorm modes recorded at the call.
 
@@ -238,31 +203,6 @@ class FreezeHandle:
         )
 
 
-def _check_bn(bn: object, caller: str) -> str:
-    if bn not in _BN_POLICIES:
-        raise SelectorError(
-            f"{caller}: bn={bn!r} is not a BatchNorm policy; expected one of {list(_BN_POLICIES)}"
-        )
-    return str(bn)
-
-
-def _policy(mode: object, bn: object, default: str, caller: str) -> tuple[str, bool]:
-    """The policy to push, and whether it goes on every mode-dependent layer (``mode=``) or
-    on the BatchNorm layers only (``bn=``, the older and narrower spelling)."""
-    if mode is None:
-        return _check_bn(default if bn is None else bn, caller), False
-    if bn is not None:
-        raise SelectorError(
-            f"{caller}: give mode= (every layer whose behaviour depends on its mode) or bn= "
-            f"(BatchNorm layers only), not both; got mode={mode!r}, bn={bn!r}"
-        )
-    if mode not in _BN_POLICIES:
-        raise SelectorError(
-            f"{caller}: mode={mode!r} is not a mode; expected one of {list(_BN_POLICIES)}"
-        )
-    return str(mode), True
-
-
 def held_in_eval(model: nn.Module) -> tuple[str, ...]:
     """The names of the modules of ``model`` that a freeze holds in eval mode now (their
     forward runs in eval mode whatever ``model.train()`` or Lightning set).
@@ -278,7 +218,7 @@ def held_in_eval(model: nn.Module) -> tuple[str, ...]:
     return tuple(n for n, m in model.named_modules() if held_policy(m) == "eval")
 
 
-@_outside_compile
+@outside_compile
 def freeze(
     model: nn.Module,
     *selectors: Selector,
@@ -349,7 +289,7 @@ def freeze(
     """
     caller = "freeze()"
     check_module(model, caller)
-    policy, whole = _policy(mode, bn, "eval", caller)
+    policy, whole = policy_of(mode, bn, "eval", caller)
     if optimizer is not None:
         unwrap_optimizer(optimizer, caller)
     selection = select(model, selectors, caller, modes=whole)
@@ -385,7 +325,7 @@ def freeze(
     return handle
 
 
-@_outside_compile
+@outside_compile
 def unfreeze(
     model: nn.Module,
     *selectors: Selector,
@@ -416,7 +356,7 @@ def unfreeze(
     """
     caller = "unfreeze()"
     check_module(model, caller)
-    policy, whole = _policy(mode, bn, "train", caller)
+    policy, whole = policy_of(mode, bn, "train", caller)
     selection = select(model, selectors, caller, modes=whole)
     layers = selection.modes if whole else selection.norms
     return FreezeHandle(model, caller, selection.params, dict(layers), True, policy)

@@ -20,6 +20,7 @@ from isolate._autograd import gradients_of, graph_inputs
 from isolate._protected import Protected, resolve_named
 from isolate._selectors import check_module, select
 from isolate._sharding import roots_of
+from isolate._text import formatted
 from isolate.drift import max_abs_diff
 from isolate.errors import IsolationTypeError
 
@@ -83,10 +84,6 @@ class GroupStats:
         }
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 @dataclass(frozen=True)
 class GradientReport:
     """Per-group gradient norms, shares and cosines of several losses.
@@ -131,10 +128,10 @@ class GradientReport:
             for loss in self.losses:
                 share = stats.shares[loss]
                 row += [
-                    _fmt(stats.norms[loss], ".3e"),
+                    formatted(stats.norms[loss], ".3e"),
                     "-" if share is None else f"{100 * share:.1f}%",
                 ]
-            row += [_fmt(stats.cosines[pair], "+.3f") for pair in pairs]
+            row += [formatted(stats.cosines[pair], "+.3f") for pair in pairs]
             rows.append(row)
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = [

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 
@@ -19,10 +19,15 @@ from isolate.errors import (
     IsolationWarning,
     SpecError,
 )
-from isolate.freezing import held_in_eval
-from isolate.ledger import Ledger, ledger
+from isolate.ledger import Ledger
 from isolate.lightning.checkpoint import SavedState
 from isolate.lightning.metrics import grad_norms, log_figure
+from isolate.lightning.notices import (
+    explain_eval_modes,
+    print_ledger,
+    warn_on_norm_clipping,
+    warn_unvalidated,
+)
 from isolate.lightning.strategies import (
     applies_at_fit_start,
     check_trainer,
@@ -286,8 +291,8 @@ class IsolationCallback(Callback):
         except IsolationError:
             self._restore()
             raise
-        _warn_on_norm_clipping(trainer, self.spec.detach)
-        _explain_eval_modes(pl_module)
+        warn_on_norm_clipping(trainer, self.spec.detach)
+        explain_eval_modes(pl_module)
         self.ledger = None
         self.handle.verify(
             checks=("ranks",), on_violation=self.cadence.on_violation, when="at fit start"
@@ -329,7 +334,7 @@ class IsolationCallback(Callback):
             return
         losses = _take_losses(pl_module)
         if self.print_ledger and self.ledger is None:
-            self.ledger = _print_ledger(trainer, pl_module, self.handle, losses, loss)
+            self.ledger = print_ledger(trainer, pl_module, self.handle, losses, loss)
         if self.handle.loop.checking and losses:
             _check_named(pl_module, losses, self.spec.protect)
         self.handle.loop.before_backward(loss, losses if self.handle.loop.checking else None)
@@ -376,7 +381,7 @@ class IsolationCallback(Callback):
             return
         self.handle.loop.finish()
         if not self._validations:
-            _warn_unvalidated(self.handle, trainer)
+            warn_unvalidated(self.handle, trainer)
 
     def state_dict(self) -> dict[str, Any]:
         """The spec, what is frozen now and when each group was thawed, by parameter name."""
@@ -402,59 +407,6 @@ class IsolationCallback(Callback):
         except IsolationError:
             self._restore()
             raise
-
-
-def _explain_eval_modes(pl_module: pl.LightningModule) -> None:
-    """Say which of the modules Lightning is about to report in eval mode the spec holds."""
-    held = set(held_in_eval(pl_module))
-    in_eval = [n or "<root>" for n, m in pl_module.named_modules() if not m.training]
-    ours = [n for n in in_eval if n in held]
-    if not ours:
-        return
-    rest = [n for n in in_eval if n not in held]
-    shown = ", ".join(ours[:5]) + (f" and {len(ours) - 5} more" if len(ours) > 5 else "")
-    others = (
-        f"; the other {len(rest)} are in eval mode for another reason: {', '.join(rest[:5])}"
-        if rest
-        else ""
-    )
-    rank_zero_info(
-        f"{_CALLER}: {len(ours)} of the {len(in_eval)} module(s) Lightning finds in eval mode at "
-        f"the start of training are held there by the spec (a frozen part in eval mode, "
-        f"through model.train()): {shown}{others}"
-    )
-
-
-def _print_ledger(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    handle: IsolationHandle,
-    losses: object,
-    loss: torch.Tensor,
-) -> Ledger:
-    """Print the ledger on rank zero and log its summary; returns it."""
-    named = dict(losses) if isinstance(losses, Mapping) else {}
-    book = ledger(pl_module, {**named, "total": loss}, list(trainer.optimizers), spec=handle)
-    rank_zero_info(
-        f"{_CALLER}: the parameters at step {trainer.global_step}\n{book.format(limit=40)}"
-    )
-    summary = {f"isolation/ledger/{k}": v for k, v in book.summary().items() if v is not None}
-    for logger in trainer.loggers:
-        logger.log_metrics(summary, step=trainer.global_step)
-    return book
-
-
-def _warn_unvalidated(handle: IsolationHandle, trainer: pl.Trainer) -> None:
-    """Say so when a ``monitor`` thaw waited through a fit that never validated."""
-    waiting = handle.watching
-    if waiting is not None:
-        monitor = handle.plan.group(waiting).thaw.monitor
-        _warn(
-            f"{_CALLER}: thaw group {waiting!r} waited for {monitor!r} to stop improving, "
-            f"but no validation ran during this fit, so it never thawed; pass "
-            f"val_dataloaders to fit (or validate more often than every "
-            f"{trainer.check_val_every_n_epoch} epochs), or give it epoch= or step="
-        )
 
 
 def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
@@ -498,22 +450,6 @@ def _check_validation(
         f"to stop improving, but this fit runs no validation ({why}), so they would never "
         f"thaw; log the metric in a validation_step and validate, or give them epoch= or step="
     )
-
-
-def _warn_on_norm_clipping(trainer: pl.Trainer, detach: tuple[str, ...]) -> None:
-    # The clip factor is computed from the norm of *all* gradients, so a detached
-    # branch's gradient rescales the trunk's: the branch leaks into the trunk's update.
-    algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
-    if detach and trainer.gradient_clip_val and algorithm.endswith("norm"):
-        rank_zero_warn(
-            f"{_CALLER}: gradient_clip_val={trainer.gradient_clip_val} clips by the global "
-            f"norm, which includes the gradients of the detached branches "
-            f"{list(detach)}: their gradient changes the factor applied to every "
-            f"other parameter, so isolation does not hold for the update. Clip per group "
-            f"instead (override configure_gradient_clipping), or use "
-            f"gradient_clip_algorithm='value'",
-            category=IsolationWarning,
-        )
 
 
 def _take_losses(pl_module: pl.LightningModule) -> Any:
