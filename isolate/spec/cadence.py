@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from isolate.errors import SpecError
 from isolate.spec._fields import string_list
 from isolate.spec.ranks import world_size
 
-__all__ = ["CHECKS", "Cadence", "Due", "Loop"]
+__all__ = ["CHECKS", "Cadence", "Due", "Loop", "StepGuard"]
 
 CHECKS = ("losses", "reach", "drift", "flags", "optimizers", "ranks", "contracts")
 """What :meth:`~isolate.spec.handle.IsolationHandle.verify` can check."""
@@ -273,3 +274,41 @@ class Loop:
             on_violation=self.cadence.on_violation,
             when=when,
         )
+
+
+class StepGuard:
+    """Refuses an ``optimizer.step()`` while thaws are pending and the schedule was never
+    driven (``handle.step()`` never ran): they would never thaw.
+
+    Reads the spec's thaw steps and the handle's record of applied groups (a dict the handle
+    updates in place); the handle sets :attr:`stepped` at its first step.
+    """
+
+    def __init__(self, caller: str, thaws: Sequence[Any], applied: Mapping[str, Any]) -> None:
+        self.caller, self.thaws, self.applied = caller, thaws, applied
+        self.stepped = False
+        self._hooks: dict[int, RemovableHandle] = {}  # id(optimizer) -> its step pre-hook
+
+    def watch(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Guard every step of ``optimizers`` (each once)."""
+        for opt in optimizers:
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(self._check)
+
+    def remove(self) -> None:
+        """Take every guard off."""
+        for hook in self._hooks.values():
+            hook.remove()
+        self._hooks.clear()
+
+    def _check(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self.stepped:
+            return
+        pending = [str(t.name) for t in self.thaws if t.name not in self.applied]
+        if pending:
+            raise SpecError(
+                f"{self.caller}: {type(optimizer).__name__}.step() with thaw groups "
+                f"{pending} pending, but handle.step() was never called, so they would never "
+                f"thaw; call handle.step(epoch=..., step=...) at the start of every training "
+                f"step, before the forward"
+            )

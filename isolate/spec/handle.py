@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from isolate._sharding import settle
 from isolate.drift import Snapshot
@@ -25,7 +24,7 @@ from isolate.errors import (
 )
 from isolate.freezing import FreezeHandle
 from isolate.spec.branches import Branches
-from isolate.spec.cadence import CHECKS, Cadence, Loop
+from isolate.spec.cadence import CHECKS, Cadence, Loop, StepGuard
 from isolate.spec.checks import (
     Tally,
     Verification,
@@ -36,7 +35,6 @@ from isolate.spec.contract_checks import ContractWatch
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
-from isolate.spec.thaw import check_lr
 from isolate.spec.thawing import Thaws
 
 __all__ = ["IsolationHandle", "Tally", "warn_user"]
@@ -105,8 +103,7 @@ class IsolationHandle:
         self._active = False
         self.contracts = ContractWatch(plan.contracts, plan.model, caller)
         self.loop = Loop(self, Cadence())
-        self._stepped = False  # whether step() ever ran: the schedule is being driven
-        self._guards: dict[int, RemovableHandle] = {}  # id(optimizer) -> its step pre-hook
+        self._step_guard = StepGuard(self.caller, plan.spec.thaw, self._thaws.applied)
         self.tally = Tally()  # what every verify that found nothing checked, added up
 
     def start(self) -> None:
@@ -138,9 +135,7 @@ class IsolationHandle:
         """Undo everything: thaws, wrappers, freezing, holds, and (with ``optimizers=True``)
         the optimizer surgery. Flags and modes go back to exactly what they were."""
         settle(self.plan.model)
-        for guard in self._guards.values():
-            guard.remove()
-        self._guards.clear()
+        self._step_guard.remove()
         self.contracts.restore()
         self._thaws.restore()
         self._branches.unwrap()
@@ -190,23 +185,8 @@ class IsolationHandle:
             self.frozen_parameters(),
             warn=not built_before_apply,
         )
-        for opt in self._link.optimizers:
-            if id(opt) not in self._guards:
-                self._guards[id(opt)] = opt.register_step_pre_hook(self._guard)
+        self._step_guard.watch(self._link.optimizers)
         self._watch = self._new_watch()
-
-    def _guard(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """Refuse an optimizer step while the schedule has never been driven by :meth:`step`."""
-        if self._stepped:
-            return
-        pending = [str(t.name) for t in self.plan.spec.thaw if t.name not in self._thaws.applied]
-        if pending:
-            raise SpecError(
-                f"{self.caller}: {type(optimizer).__name__}.step() with thaw groups "
-                f"{pending} pending, but handle.step() was never called, so they would never "
-                f"thaw; call handle.step(epoch=..., step=...) at the start of every training "
-                f"step, before the forward"
-            )
 
     def thaw(
         self, name: str, optimizer: object = None, lr: float | None = None
@@ -230,15 +210,6 @@ class IsolationHandle:
                 and never move). Nothing has changed then.
         """
         self._require_active("thaw")
-        where = f"{self.caller}.thaw({name!r})"
-        check_lr(lr, where)
-        self.plan.group(name)  # an unknown name is named before anything else
-        if not self._link.optimizers:
-            raise SpecError(
-                f"{where}: no optimizer is attached, so the thawed parameters would require "
-                f"grad and get gradients but never move; call handle.attach(optimizer, "
-                f"schedulers) once after apply (or apply(model, optimizer)), before training"
-            )
         group = self._thaws.thaw(name, optimizer, lr, self.position)
         self._watch = self._new_watch() if self._watch is not None else None
         return group
@@ -258,7 +229,7 @@ class IsolationHandle:
             The names of the groups thawed by this call, in schedule order.
         """
         self._require_active("step")
-        self._stepped = True
+        self._step_guard.stepped = True
         self.position.update(epoch=int(epoch), global_step=int(step))
         self.contracts.begin(int(step), record=record)
         self._branches.reset(record=record)

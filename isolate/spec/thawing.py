@@ -19,6 +19,7 @@ from isolate.freezing import FreezeHandle
 from isolate.spec.clock import Phases
 from isolate.spec.optimizers import OptimizerLink
 from isolate.spec.plan import Plan
+from isolate.spec.thaw import check_lr
 
 __all__ = ["Thaws"]
 
@@ -35,10 +36,32 @@ class Thaws:
         self._handles: dict[str, FreezeHandle] = {}
 
     def thaw(
-        self, name: str, optimizer: object, lr: float | None, position: Mapping[str, int]
+        self,
+        name: str,
+        optimizer: object,
+        lr: float | None,
+        position: Mapping[str, int],
+        *,
+        resumed: bool = False,
     ) -> dict[str, Any] | None:
-        """Flip group ``name`` and join it to its optimizer; undone whole if joining fails."""
-        g = self.plan.group(name)
+        """Flip group ``name`` and join it to its optimizer; undone whole if joining fails.
+        ``resumed``: a group a saved state had thawed, before any optimizer is attached (it
+        joins the optimizers when they are).
+
+        Raises:
+            SpecError: no such group, it is thawed already, ``lr`` is not a finite number
+                > 0, or no optimizer is attached (the parameters would get gradients and never
+                move). Nothing has changed then.
+        """
+        where = f"{self.caller}.thaw({name!r})"
+        check_lr(lr, where)
+        g = self.plan.group(name)  # an unknown name is named before anything else
+        if not self.link.optimizers and not resumed:
+            raise SpecError(
+                f"{where}: no optimizer is attached, so the thawed parameters would require "
+                f"grad and get gradients but never move; call handle.attach(optimizer, "
+                f"schedulers) once after apply (or apply(model, optimizer)), before training"
+            )
         if name in self.applied:
             raise SpecError(
                 f"{self.caller}: thaw group {name!r} was thawed already (at "
@@ -106,7 +129,7 @@ class Thaws:
                 if entry["name"] in self.applied:
                     continue
                 at = {"epoch": entry["epoch"], "global_step": entry["global_step"]}
-                self.thaw(entry["name"], None, None, at)
+                self.thaw(entry["name"], None, None, at, resumed=True)
                 done.append(entry["name"])
             now = list(self.frozen_parameters())
             if now != frozen:
