@@ -78,6 +78,7 @@ def warn_unvalidated(handle: IsolationHandle, trainer: pl.Trainer) -> None:
 
 
 def warn_on_norm_clipping(trainer: pl.Trainer, detach: tuple[str, ...]) -> None:
+    """Warn when the trainer clips gradients by their global norm across detached branches."""
     # The clip factor is computed from the norm of *all* gradients, so a detached
     # branch's gradient rescales the trunk's: the branch leaks into the trunk's update.
     algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
