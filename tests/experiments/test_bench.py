@@ -178,6 +178,7 @@ def test_sharded_section_in_a_tiny_configuration(tmp_path: Path) -> None:
         "flags": frozen,
         "optimizers": 1,
         "ranks": 2,
+        "contracts": {},
         "violations": [],
     }
     # The ranks check's own collective ran on both ranks, once per verify.

@@ -343,7 +343,7 @@ def test_suite_under_fsdp2_reaches_the_same_conclusions(tmp_path: Path) -> None:
     drift = runs["frozen_trunk"]["drift"]
     assert drift == {kind: [0.0] * steps for kind in ("parameters", "buffers", "counters")}
     assert runs["baseline"]["drift"]["parameters"][-1] > 0.0  # the same measure moves there
-    assert all(check["ok"] for check in results["checks"]) and len(results["checks"]) == 12
+    assert all(check["ok"] for check in results["checks"]) and len(results["checks"]) == 16
     # SimSiam has no configure_model: not run, and said so, with no check of its own.
     assert list(results["skipped"]) == ["simsiam"]
     assert "configure_model" in results["skipped"]["simsiam"]
