@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.utilities import rank_zero_info
-from pytorch_lightning.utilities.model_helpers import is_overridden
+from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 
 from isolate.errors import (
@@ -20,6 +17,7 @@ from isolate.errors import (
     SpecError,
 )
 from isolate.ledger import Ledger
+from isolate.lightning._compat import Callback, package
 from isolate.lightning.checkpoint import SavedState
 from isolate.lightning.metrics import grad_norms, log_figure
 from isolate.lightning.notices import (
@@ -38,6 +36,9 @@ from isolate.spec import IsolationSpec, Thaw, ThawKeys
 from isolate.spec.cadence import Cadence
 from isolate.spec.handle import IsolationHandle, Tally
 from isolate.spec.isolation import apply as apply_spec
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
 
@@ -441,7 +442,7 @@ def _check_validation(
         return
     if trainer.limit_val_batches == 0:
         why = "limit_val_batches=0"
-    elif not is_overridden("validation_step", pl_module):
+    elif not _overrides(pl_module, "validation_step"):
         why = f"{type(pl_module).__name__} defines no validation_step"
     else:
         return
@@ -450,6 +451,15 @@ def _check_validation(
         f"to stop improving, but this fit runs no validation ({why}), so they would never "
         f"thaw; log the metric in a validation_step and validate, or give them epoch= or step="
     )
+
+
+def _overrides(pl_module: pl.LightningModule, hook: str) -> bool:
+    lightning = package(pl_module, "LightningModule")
+    if lightning is None:
+        raise IsolationTypeError(
+            f"{_CALLER}: expected a LightningModule, got {type(pl_module).__qualname__}"
+        )
+    return bool(lightning.utilities.model_helpers.is_overridden(hook, pl_module))
 
 
 def _take_losses(pl_module: pl.LightningModule) -> Any:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import pytorch_lightning as pl
+from typing import TYPE_CHECKING, Any
 
 from isolate.errors import CheckpointMismatchError
 from isolate.spec.handle import IsolationHandle
 from isolate.spec.state import check_state
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["SavedState"]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import pytorch_lightning as pl
 import torch
 from torch import nn
 
@@ -12,6 +12,9 @@ from isolate.cutoff import cut_off_parameters
 from isolate.figures import plot_report
 from isolate.gradients import gradient_report
 from isolate.spec.handle import IsolationHandle
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["grad_norms", "log_figure"]
 

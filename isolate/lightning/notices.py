@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from isolate.errors import IsolationWarning
 from isolate.freezing import held_in_eval
 from isolate.ledger import Ledger, ledger
 from isolate.spec.handle import IsolationHandle
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["explain_eval_modes", "print_ledger", "warn_on_norm_clipping", "warn_unvalidated"]
 

@@ -10,26 +10,24 @@ rebuilding DDP after a thaw.
 * ``FSDPStrategy`` (FSDP1): only with ``use_orig_params=True`` (the default), which keeps the
   original ``Parameter`` objects.
 * ``DeepSpeedStrategy``: refused (see :func:`check_trainer`).
+
+Each is the class of the trainer's own package (``pytorch_lightning`` or ``lightning.pytorch``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from isolate.errors import CheckpointMismatchError, SpecError, UnsupportedStrategyError
+from isolate.lightning._compat import package
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["applies_at_fit_start", "check_trainer", "load_state_first", "rewrap"]
 
@@ -51,8 +49,8 @@ def check_trainer(trainer: pl.Trainer, callback: Any, caller: str) -> None:
             f"{caller}: the Trainer has {len(others) + 1} {type(callback).__name__}s; their "
             f"checkpoint states would collide: merge them into one"
         )
-    strategy = trainer.strategy
-    if isinstance(strategy, DeepSpeedStrategy):
+    strategy: Any = trainer.strategy  # narrowed by _is(), against its own package
+    if _is(strategy, "DeepSpeedStrategy"):
         raise UnsupportedStrategyError(
             f"{caller}: the DeepSpeedStrategy is not supported: deepspeed.initialize builds "
             f"its optimizer and gradient partitions from the parameters that require grad at "
@@ -62,7 +60,7 @@ def check_trainer(trainer: pl.Trainer, callback: Any, caller: str) -> None:
             f"strategy='ddp'; with DeepSpeed, freeze by hand before the Trainer starts and "
             f"never thaw"
         )
-    if isinstance(strategy, FSDPStrategy):
+    if _is(strategy, "FSDPStrategy"):
         if not strategy.kwargs.get("use_orig_params", True):
             raise UnsupportedStrategyError(
                 f"{caller}: FSDPStrategy(use_orig_params=False) flattens each unit's "
@@ -72,7 +70,7 @@ def check_trainer(trainer: pl.Trainer, callback: Any, caller: str) -> None:
                 f"ModelParallelStrategy (FSDP2)"
             )
         return
-    if not isinstance(strategy, SingleDeviceStrategy | ModelParallelStrategy | DDPStrategy):
+    if not _is(strategy, "SingleDeviceStrategy", "ModelParallelStrategy", "DDPStrategy"):
         raise UnsupportedStrategyError(
             f"{caller}: the {type(strategy).__name__} strategy is not supported (it shards or "
             f"re-creates parameters in ways isolate does not know, so freezing by identity "
@@ -84,7 +82,7 @@ def check_trainer(trainer: pl.Trainer, callback: Any, caller: str) -> None:
 def applies_at_fit_start(trainer: pl.Trainer) -> bool:
     """Whether the spec waits for ``on_fit_start``: the strategy builds or shards the model in
     ``configure_model``, after the callbacks' ``setup``, replacing its ``Parameter`` objects."""
-    return isinstance(trainer.strategy, ModelParallelStrategy)
+    return _is(trainer.strategy, "ModelParallelStrategy")
 
 
 def load_state_first(
@@ -135,10 +133,10 @@ def rewrap(trainer: pl.Trainer, caller: str) -> bool:
     Returns:
         Whether the model was wrapped in DDP (and so rebuilt).
     """
-    strategy = trainer.strategy
+    strategy: Any = trainer.strategy  # narrowed by _is(), against its own package
     if not isinstance(strategy.model, DistributedDataParallel):
         return False
-    if not isinstance(strategy, DDPStrategy):
+    if not _is(strategy, "DDPStrategy"):
         raise SpecError(
             f"{caller}: the model is wrapped in DistributedDataParallel by "
             f"{type(strategy).__name__}, which the callback cannot rebuild; use strategy='ddp'"
@@ -146,3 +144,11 @@ def rewrap(trainer: pl.Trainer, caller: str) -> bool:
     strategy.model = strategy.lightning_module
     strategy.configure_ddp()
     return True
+
+
+def _is(strategy: object, *kinds: str) -> bool:
+    """Whether ``strategy`` is one of the ``kinds`` of strategy of its own Lightning package."""
+    lightning = package(strategy, "strategies.Strategy")
+    if lightning is None:
+        return False
+    return isinstance(strategy, tuple(getattr(lightning.strategies, k) for k in kinds))
