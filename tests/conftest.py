@@ -4,9 +4,11 @@ behind, and no file outside ``tmp_path``; Hypothesis draws the same inputs on ev
 from __future__ import annotations
 
 import gc
+import importlib
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
@@ -64,6 +66,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["pytorch_lightning", "lightning.pytorch"])
+def pl(request: pytest.FixtureRequest) -> ModuleType:
+    """Each Lightning in turn: the standalone package and the unified one."""
+    return importlib.import_module(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,8 @@
 """Two-process DDP runs on the CPU (gloo) for ``tests/distributed/test_lightning_ddp.py``.
 
-Usage: ``python tests/distributed/_lightning_ddp_script.py OUT_DIR``. Lightning's ``ddp``
-strategy starts the second process by running this same command again; both processes then
-run:
+Usage: ``python tests/distributed/_lightning_ddp_script.py OUT_DIR [LIGHTNING]``
+(``pytorch_lightning`` by default, or ``lightning.pytorch``). Lightning's ``ddp`` strategy
+starts the second process by running this same command again; both processes then run:
 
 * ``isolate``: IsolationCallback freezes the trunk, detaches the aux branch, thaws
   ``trunk.0`` before step 1 and the rest of the trunk at epoch 1 (2 steps per epoch);
@@ -19,20 +19,25 @@ callback's warnings.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BackboneFinetuning
 
 from isolate import IsolationWarning, Thaw
 from isolate.errors import RankDivergenceError
 from isolate.lightning import IsolationCallback
-from tests.lightning._models import BackboneNet, Net, loader, trainer
+from tests.lightning._models import BackboneSteps, loader, net, trainer
+
+# The Lightning to run under: the second argument when run as a script (pytest imports this file
+# too, to collect doctests, with argv of its own).
+RUN_AS_SCRIPT = __name__ == "__main__" and len(sys.argv) > 2
+pl = importlib.import_module(sys.argv[2] if RUN_AS_SCRIPT else "pytorch_lightning")
+Net, BackboneNet = net(pl), net(pl, BackboneSteps)
 
 
 class Record(pl.Callback):
@@ -77,7 +82,7 @@ def run(out: Path, mode: str) -> None:
     else:
         model = BackboneNet()
         callbacks = [
-            BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05),
+            pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05),
             IsolationCallback(
                 verify_every_n_steps=1, on_violation="raise" if mode == "raise" else "warn"
             ),
@@ -89,6 +94,7 @@ def run(out: Path, mode: str) -> None:
         max_epochs=3,
         devices=2,
         strategy="ddp",
+        lightning=pl,
     )
     error: BaseException | None = None
     with warnings.catch_warnings(record=True) as caught:
@@ -112,7 +118,7 @@ def run(out: Path, mode: str) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=UserWarning, module="pytorch_lightning")
+    warnings.filterwarnings("ignore", category=UserWarning, module=pl.__name__)
     for mode in ("isolate", "backbone", "raise"):
         run(out, mode)
     if torch.distributed.is_initialized():

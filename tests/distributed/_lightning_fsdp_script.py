@@ -1,7 +1,8 @@
 """IsolationCallback under Lightning's ModelParallelStrategy (FSDP2): 2 CPU processes, gloo.
 
-Usage: ``python tests/distributed/_lightning_fsdp_script.py OUT_DIR``. Lightning starts the
-second process by running this same command again; both processes then run:
+Usage: ``python tests/distributed/_lightning_fsdp_script.py OUT_DIR [LIGHTNING]``
+(``pytorch_lightning`` by default, or ``lightning.pytorch``). Lightning starts the second
+process by running this same command again; both processes then run:
 
 * ``full``: 3 epochs of 2 steps; the trunk frozen, the aux branch detached, ``trunk.3``
   thawed at epoch 1, AdamW with weight decay; a distributed checkpoint after every epoch;
@@ -14,23 +15,27 @@ the callback's state and warnings.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 from isolate import IsolationWarning, Thaw
 from isolate._sharding import canonical_parameters
 from isolate.drift import fingerprint
 from isolate.lightning import IsolationCallback
-from tests.lightning._models import Net, loader, trainer
+from tests.lightning._models import loader, net, trainer
+
+# The Lightning to run under: the second argument when run as a script (pytest imports this file
+# too, to collect doctests, with argv of its own).
+RUN_AS_SCRIPT = __name__ == "__main__" and len(sys.argv) > 2
+pl = importlib.import_module(sys.argv[2] if RUN_AS_SCRIPT else "pytorch_lightning")
+Net = net(pl)
 
 
 class ShardedNet(Net):
@@ -90,15 +95,16 @@ def run(out: Path, name: str, ckpt: str | None) -> dict[str, Any]:
         verify_every_n_steps=1,
     )
     record = Record()
-    saver = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, every_n_epochs=1)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, every_n_epochs=1)
     model = ShardedNet()
     fit = trainer(
         out / name,
         [callback, record, saver],
         max_epochs=3,
         devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         enable_checkpointing=True,
+        lightning=pl,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", IsolationWarning)

@@ -1,4 +1,5 @@
-"""IsolationCallback under Lightning's ``ddp`` strategy: 2 CPU processes, gloo.
+"""IsolationCallback under Lightning's ``ddp`` strategy: 2 CPU processes, gloo, under each
+Lightning (``pytorch_lightning`` and ``lightning.pytorch``).
 
 The runs happen in ``_lightning_ddp_script.py`` (Lightning's ddp strategy launches the second
 process by re-running the command line, which pytest's own command line cannot survive).
@@ -17,10 +18,17 @@ from tests._launch import launch, ranks
 SCRIPT = Path(__file__).with_name("_lightning_ddp_script.py")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(p, marks=pytest.mark.slow) for p in ("pytorch_lightning", "lightning.pytorch")
+    ],
+)
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("ddp")
-    launch([sys.executable, str(SCRIPT), str(out)], cwd=out)
+    launch([sys.executable, str(SCRIPT), str(out), request.param], cwd=out)
     return {mode: ranks(out, mode) for mode in ("isolate", "backbone", "raise")}
 
 

@@ -1,6 +1,7 @@
 """IsolationCallback under Lightning's ModelParallelStrategy (FSDP2): the spec applied to the
 sharded module, frozen tensors bitwise unchanged under AdamW weight decay, the ranks identical
-after every epoch, and a resume from a distributed checkpoint that continues exactly.
+after every epoch, and a resume from a distributed checkpoint that continues exactly, under
+each Lightning (``pytorch_lightning`` and ``lightning.pytorch``).
 
 The runs happen in ``_lightning_fsdp_script.py`` (2 CPU processes, gloo); each rank writes what
 it measured, and the tests assert on it.
@@ -19,10 +20,12 @@ from tests._launch import launch, ranks
 SCRIPT = Path(__file__).with_name("_lightning_fsdp_script.py")
 
 
-@pytest.fixture(scope="module")
-def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+@pytest.fixture(scope="module", params=["pytorch_lightning", "lightning.pytorch"])
+def lightning(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("fsdp_lightning")
-    launch([sys.executable, str(SCRIPT), str(out)], cwd=out)
+    launch([sys.executable, str(SCRIPT), str(out), request.param], cwd=out)
     return {run: ranks(out, run) for run in ("full", "resume")}
 
 

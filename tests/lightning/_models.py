@@ -6,12 +6,18 @@ branch fed by the trunk's features. ``training_step`` names the auxiliary loss i
 
 For exact resume tests: :func:`resumable_loader` (a seeded order per epoch that a checkpoint
 can continue mid-epoch) and :class:`RNGState` (Lightning does not checkpoint the global RNG).
+
+The network is written once (:class:`Steps`) and made a LightningModule of either Lightning
+by :func:`net`; ``Net``, ``BackboneNet`` and :func:`trainer` are ``pytorch_lightning``'s unless
+given ``lightning.pytorch`` (``net(lightning.pytorch)``, ``trainer(..., lightning=...)``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytorch_lightning as pl
@@ -22,8 +28,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 
-class Net(pl.LightningModule):
-    """trunk (Linear, BatchNorm, ReLU, Linear) -> head; trunk -> aux.
+class Steps:
+    """trunk (Linear, BatchNorm, ReLU, Linear) -> head; trunk -> aux: the body of a
+    LightningModule of either Lightning (see :func:`net`).
 
     Args:
         aux: add the auxiliary loss to the training loss.
@@ -98,12 +105,25 @@ class Net(pl.LightningModule):
         return [opt], [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)]
 
 
-class BackboneNet(Net):
+class BackboneSteps(Steps):
     """The same network, with the ``backbone`` attribute Lightning's BackboneFinetuning needs."""
 
     @property
     def backbone(self) -> nn.Module:
-        return self.trunk
+        return self.trunk  # type: ignore[attr-defined, no-any-return]
+
+
+@functools.cache
+def net(lightning: ModuleType, steps: type[Steps] = Steps) -> type[Any]:
+    """``steps`` as a LightningModule of ``lightning`` (``pytorch_lightning`` or
+    ``lightning.pytorch``): ``Steps`` -> ``Net``, ``BackboneSteps`` -> ``BackboneNet``."""
+    name = steps.__name__.removesuffix("Steps") + "Net"
+    namespace = {"__module__": __name__, "__doc__": steps.__doc__}
+    return type(name, (steps, lightning.LightningModule), namespace)
+
+
+Net = net(pl)
+BackboneNet = net(pl, BackboneSteps)
 
 
 class TwoOptimizerNet(Net):
@@ -212,8 +232,10 @@ class RNGState(pl.Callback):
         torch.set_rng_state(state_dict["torch"])
 
 
-def trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    """A small CPU Trainer that writes only below ``root``."""
+def trainer(
+    root: Path, callbacks: list[pl.Callback], *, lightning: ModuleType = pl, **kwargs: Any
+) -> pl.Trainer:
+    """A small CPU Trainer of ``lightning`` that writes only below ``root``."""
     options: dict[str, Any] = {
         "default_root_dir": root,
         "accelerator": "cpu",
@@ -227,7 +249,7 @@ def trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Train
         "callbacks": callbacks,
     }
     options.update(kwargs)
-    return pl.Trainer(**options)
+    return lightning.Trainer(**options)  # type: ignore[no-any-return]
 
 
 def state(model: nn.Module) -> dict[str, torch.Tensor]:
