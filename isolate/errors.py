@@ -25,6 +25,7 @@ __all__ = [
     "IsolationTypeError",
     "IsolationWarning",
     "RankDivergenceError",
+    "ReplacedParameterError",
     "RestoreError",
     "SelectorError",
     "ShardedGraphError",
@@ -76,6 +77,12 @@ class CheckpointMismatchError(IsolationError, ValueError):
 
 class RankDivergenceError(DriftError):
     """Parameters differ across the processes of a distributed run."""
+
+
+class ReplacedParameterError(IsolationError, AssertionError):
+    """A parameter the spec applies to was replaced by a new object after it was applied
+    (re-registered, converted, sharded, loaded with ``assign=True``): the freeze, the thaws
+    and the checks still hold the old one."""
 
 
 class CutOffError(IsolationError, AssertionError):

@@ -69,10 +69,11 @@ class IsolationCallback(Callback):
     A thin adapter over :class:`isolate.IsolationSpec`: ``setup("fit")`` applies the spec
     (before ``configure_optimizers`` and DDP), ``on_fit_start`` attaches the optimizers, each
     batch runs the thaw schedule, and every ``verify_every_n_steps`` optimizer steps
-    :meth:`~isolate.spec.handle.IsolationHandle.verify` checks reach, drift, flags, optimizers and
-    ranks. It adds: DDP rebuilt after a thaw, gradient norms per group in the loggers
-    (``isolation/grad_norm/<group>``), the spec's state in checkpoints (a resume thaws what
-    was thawed, before DDP wraps the model); ``teardown`` and ``on_exception`` undo it all.
+    :meth:`~isolate.spec.handle.IsolationHandle.verify` checks reach, replaced parameters,
+    drift, flags, optimizers and ranks. It adds: DDP rebuilt after a thaw, gradient norms per
+    group in the loggers (``isolation/grad_norm/<group>``), the spec's state in checkpoints (a
+    resume thaws what was thawed, before DDP wraps the model); ``teardown`` and
+    ``on_exception`` undo it all.
 
     **Naming losses.** ``training_step`` leaves the losses to check in
     ``self.isolation_losses``, a dict of name -> loss tensor, set every step (holding
@@ -361,8 +362,8 @@ class IsolationCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Check reach, drift, flags, optimizers and ranks at check steps, reach on the first
-        step after a thaw, and ranks after a thaw."""
+        """Check reach, params, drift, flags, optimizers and ranks at check steps, reach on the
+        first step after a thaw, and ranks after a thaw."""
         if self.handle is not None:
             self.handle.loop.end_step()
 

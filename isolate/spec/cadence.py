@@ -2,8 +2,9 @@
 
 :class:`Cadence` is the schedule any loop shares (a plain loop, Fabric, the Lightning
 callback): every ``every`` optimizer steps the named losses are checked before backward and
-reach, drift, flags, optimizers and ranks after the step; a group thawed at a step must be
-reached on that step, whatever ``every`` says; the ranks agree after every thaw. It holds the
+reach, params, drift, flags, optimizers and ranks after the step; a group thawed at a step must
+be reached on that step, whatever ``every`` says; no parameter of the spec was replaced before
+a thaw; the ranks agree after every thaw. It holds the
 state of one step between the loop's three calls (``begin``, ``before_backward``, ``end``).
 """
 
@@ -22,7 +23,7 @@ from isolate.spec.ranks import world_size
 
 __all__ = ["CHECKS", "Cadence", "Due", "Loop", "StepGuard"]
 
-CHECKS = ("losses", "reach", "drift", "flags", "optimizers", "ranks", "contracts")
+CHECKS = ("params", "losses", "reach", "drift", "flags", "optimizers", "ranks", "contracts")
 """What :meth:`~isolate.spec.handle.IsolationHandle.verify` can check."""
 
 
@@ -143,7 +144,7 @@ class Cadence:
         if self._reach and self._totals:
             checks = ("reach", *many_ranks())
         if self.checking:
-            checks = (*checks, "drift", "flags", "optimizers", "contracts", "ranks")
+            checks = (*checks, "params", "drift", "flags", "optimizers", "contracts", "ranks")
             when = f"at step {self._check_step}"
         elif self._after_thaw is not None:
             when = when if checks else self._after_thaw  # reach on the thaw's step says so
@@ -217,13 +218,14 @@ class Loop:
         return self.cadence.checking
 
     def begin_step(self, *, epoch: int, step: int, arm: bool = True) -> list[str]:
-        """Start a training step: check drift and ranks before a thaw, thaw the groups due
+        """Start a training step: check params, drift and ranks before a thaw, thaw the groups due
         (:meth:`~isolate.spec.handle.IsolationHandle.step`), and arm this step's checks
         (``arm=False`` at an epoch's start, before its first step). Returns the groups
         thawed."""
         due = self.handle.due(epoch=epoch, step=step)
         if due:
-            self._verify(("drift", "ranks"), f"before thawing {due} (epoch {epoch}, step {step})")
+            before = f"before thawing {due} (epoch {epoch}, step {step})"
+            self._verify(("params", "drift", "ranks"), before)
         every = self.cadence.every
         checking = arm and bool(every) and step % every == 0
         thawed = self.handle.step(epoch=epoch, step=step, record=checking)
@@ -245,8 +247,9 @@ class Loop:
             self._verify(due.checks, due.when, losses=losses)
 
     def end_step(self) -> None:
-        """After the optimizer step: the checks due now (reach, drift, flags, optimizers,
-        ranks on a check step; reach on a thaw's first step; ranks after a thaw)."""
+        """After the optimizer step: the checks due now (reach, params, drift, flags,
+        optimizers, contracts, ranks on a check step; reach on a thaw's first step; ranks after
+        a thaw)."""
         due = self.cadence.end(
             self.handle.plan.spec.protect, self.handle.caller, self.handle.contracts.losses
         )
@@ -254,9 +257,9 @@ class Loop:
             self._verify(due.checks, due.when, total=list(due.total) or None)
 
     def finish(self) -> None:
-        """A last check of drift, contracts and ranks, at the end of training."""
+        """A last check of params, drift, contracts and ranks, at the end of training."""
         self.handle.contracts.finish(self.handle.position["global_step"] + 1)
-        self._verify(("drift", "contracts", "ranks"), "at the end of training")
+        self._verify(("params", "drift", "contracts", "ranks"), "at the end of training")
 
     def _verify(
         self,

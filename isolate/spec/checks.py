@@ -1,4 +1,4 @@
-"""The checks a spec runs while training: reach, drift, flags, optimizers and ranks.
+"""The checks a spec runs while training: params, reach, drift, flags, optimizers and ranks.
 
 Each check returns the violations it found as typed errors and never raises by itself; the
 engine decides whether to raise or warn. Tensors are looked up by name at every check, so a
@@ -33,6 +33,7 @@ from isolate.exposure import optimizer_exposure
 from isolate.reachability import assert_isolated
 from isolate.spec.branches import RECORD_LIMIT, Branches
 from isolate.spec.contract_checks import ContractWatch
+from isolate.spec.identity import check_replaced
 from isolate.spec.optimizers import find
 from isolate.spec.plan import Plan
 from isolate.spec.ranks import check_ranks, world_size
@@ -56,6 +57,8 @@ class Verification:
     """What one :meth:`~isolate.spec.handle.IsolationHandle.verify` checked.
 
     Attributes:
+        params: how many parameters the spec applies to were checked to be the objects the
+            model holds under their names (none replaced since the spec was applied).
         losses: loss name -> how many protected parameters were checked against it.
         reach: how many trainable parameters were checked to be reached by the total loss.
         drift: how many frozen parameters and held buffers were compared with their values
@@ -69,6 +72,7 @@ class Verification:
     """
 
     losses: Mapping[str, int] = field(default_factory=dict)
+    params: int = 0
     reach: int = 0
     drift: int = 0
     flags: int = 0
@@ -418,6 +422,11 @@ def run_checks(
     """Run the ``checks`` asked for; return what was checked, the violations found, and the
     snapshot to check drift against next time."""
     found: list[IsolationError] = []
+    held = 0
+    if "params" in checks:
+        held, found = check_replaced(plan, frozen, optimizers, when, caller)
+    if found:  # the other checks would look at objects the model no longer holds
+        checks = [c for c in checks if c == "ranks"]
     counts: dict[str, int] = {}
     if "losses" in checks and losses is not None:
         counts, leaks = check_losses(
@@ -455,6 +464,7 @@ def run_checks(
     if ranks > 1:  # every rank also learns what the others found: one verdict for all
         found += check_ranks(Names.of(plan.model).params, when, caller, found)
     verification = Verification(
+        params=held,
         losses=counts,
         reach=reached,
         drift=drifted,

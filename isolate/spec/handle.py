@@ -32,6 +32,7 @@ from isolate.spec.checks import (
     watch,
 )
 from isolate.spec.contract_checks import ContractWatch
+from isolate.spec.identity import require_held
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
@@ -173,10 +174,13 @@ class IsolationHandle:
             SpecError: as :meth:`IsolationSpec.apply`, held BatchNorm layers were replaced
                 since (``sync_batchnorm``), which would drop the eval-mode hold, or other
                 optimizers are attached already.
+            ReplacedParameterError: a parameter the spec applies to was replaced since it was
+                applied (a ``configure_model`` that builds layers again, a conversion).
         """
         self._require_active("attach")
         opts = as_optimizers(optimizers, f"{self.caller}.attach()")
         self.plan.check_norms_present(self.caller)
+        require_held(self.plan, self.frozen_parameters(), opts, "at attach", self.caller)
         self._link.attach(
             self.plan,
             opts,
@@ -208,6 +212,8 @@ class IsolationHandle:
                 more parameters, give them a thaw step of their own), ``lr`` is not a finite
                 number > 0, or no optimizer is attached (the parameters would get gradients
                 and never move). Nothing has changed then.
+            ReplacedParameterError: a parameter the spec applies to was replaced since it was
+                applied: the thaw would flip the old object, and the group would never train.
         """
         self._require_active("thaw")
         group = self._thaws.thaw(name, optimizer, lr, self.position)
@@ -267,8 +273,8 @@ class IsolationHandle:
         on_violation: Literal["raise", "warn"] = "raise",
         when: str | None = None,
     ) -> Verification:
-        """Prove the spec holds now: reach of the named losses, drift, flags, optimizers, ranks,
-        and the spec's contracts (:mod:`isolate.spec.contracts`).
+        """Prove the spec holds now: its parameters are the model's, reach of the named losses,
+        drift, flags, optimizers, ranks, and the spec's contracts (:mod:`isolate.spec.contracts`).
 
         Args:
             losses: loss name -> loss tensor, graph alive. Each must reach no frozen parameter
@@ -288,6 +294,9 @@ class IsolationHandle:
             GradientLeakError, CutOffError, DriftError, RankDivergenceError, ContractError: a
                 violation (a :class:`~isolate.errors.ContractError` names the contract, the
                 clause and the tensors).
+            ReplacedParameterError: (``"params"``) a parameter the spec applies to was
+                replaced by a new object since it was applied (re-registered, converted,
+                loaded with ``assign=True``); names each, with what changed.
             BlindSpotError: part of ``total``'s graph cannot be seen.
             SpecError: ``protect`` names a loss not in ``losses``, or a branch ran more often
                 than recorded since the last :meth:`step`.

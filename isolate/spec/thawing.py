@@ -17,6 +17,7 @@ from isolate._text import shown
 from isolate.errors import CheckpointMismatchError, SpecError
 from isolate.freezing import FreezeHandle
 from isolate.spec.clock import Phases
+from isolate.spec.identity import require_held
 from isolate.spec.optimizers import OptimizerLink
 from isolate.spec.plan import Plan
 from isolate.spec.thaw import check_lr
@@ -52,6 +53,8 @@ class Thaws:
             SpecError: no such group, it is thawed already, ``lr`` is not a finite number
                 > 0, or no optimizer is attached (the parameters would get gradients and never
                 move). Nothing has changed then.
+            ReplacedParameterError: a parameter the spec applies to was replaced since it was
+                applied: the thaw would flip the old object, and the group would never train.
         """
         where = f"{self.caller}.thaw({name!r})"
         check_lr(lr, where)
@@ -68,6 +71,8 @@ class Thaws:
                 f"{self.applied[name]}); a group is thawed once: check handle.thawed before "
                 f"thawing, or give the other parameters a thaw step of their own"
             )
+        frozen, opts = self.frozen_parameters(), self.link.optimizers
+        require_held(self.plan, frozen, opts, f"before thawing {name!r}", self.caller)
         settle(self.plan.model)  # FSDP2: a flag set on an unsharded temporary is lost
         self._handles[name] = FreezeHandle(
             self.plan.model,

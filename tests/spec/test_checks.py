@@ -24,7 +24,9 @@ def test_verify_reports_what_it_checked_and_raises_on_a_leak() -> None:
     handle.step(epoch=0, step=0)
     _, aux = model(torch.randn(5, 4))
     checked = handle.verify({"aux": aux.sum()})
-    assert checked == Verification(losses={"aux": 6}, drift=9, flags=6, optimizers=1, ranks=1)
+    assert checked == Verification(
+        params=6, losses={"aux": 6}, drift=9, flags=6, optimizers=1, ranks=1
+    )
     # The head's loss is not isolated from the (trainable) parts upstream of the branch...
     spec = IsolationSpec(detach=["aux"], protect={"head": ["trunk"]})
     other = Net()
