@@ -46,7 +46,7 @@ class ShardedConfig:
 QUICK_SHARDED = ShardedConfig(layers=2, width=64, heads=4, batch=2, tokens=8, warmup=1, repeat=2)
 SHARDED_WORLD = 2
 # What the callback checks at the end of a check step (no graph needed).
-_END_OF_STEP_CHECKS = ("drift", "flags", "optimizers", "ranks")
+_END_OF_STEP_CHECKS = ("params", "drift", "flags", "optimizers", "ranks")
 
 
 class _Training:
