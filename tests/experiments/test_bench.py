@@ -172,6 +172,7 @@ def test_sharded_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     assert frozen == 12  # layers.0 of 2: every tensor of one encoder layer
     # Every check ran, on the sharded parameters, and the ranks were compared.
     assert verification == {
+        "params": frozen,  # none replaced since the spec was applied
         "losses": {"loss": frozen},
         "reach": frozen,  # the trainable half: as many tensors as the frozen half
         "drift": frozen,
