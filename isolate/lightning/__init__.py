@@ -8,7 +8,10 @@ isolation holds, and saves where it stands in checkpoints. Each hook drives the 
 (``isolate``, ``isolate.errors``).
 
 This is the only package of ``isolate`` that imports Lightning; import it explicitly
-(``from isolate.lightning import IsolationCallback``): ``import isolate`` does not.
+(``from isolate.lightning import IsolationCallback``): ``import isolate`` does not. Either
+Lightning works, the standalone ``pytorch_lightning`` and the unified ``lightning.pytorch``:
+the one ``IsolationCallback`` is a ``Callback`` of each installed, and strategies are checked
+against the trainer's own package.
 """
 
 from isolate.lightning.callback import LOSSES_ATTRIBUTE, IsolationCallback
