@@ -3,9 +3,9 @@
 :class:`Cadence` is the schedule any loop shares (a plain loop, Fabric, the Lightning
 callback): every ``every`` optimizer steps the named losses are checked before backward and
 reach, params, drift, flags, optimizers and ranks after the step; a group thawed at a step must
-be reached on that step, whatever ``every`` says; no parameter of the spec was replaced before
-a thaw; the ranks agree after every thaw. It holds the
-state of one step between the loop's three calls (``begin``, ``before_backward``, ``end``).
+be reached on that step, whatever ``every`` says; before a thaw no parameter of the spec may be
+replaced; the ranks agree after every thaw. It holds the state of one step between the loop's
+three calls (``begin``, ``before_backward``, ``end``).
 """
 
 from __future__ import annotations
