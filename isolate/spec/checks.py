@@ -83,6 +83,7 @@ class Verification:
 
 
 _SAID = {
+    "params": "{n} parameters of the spec were still the objects the model holds (none replaced)",
     "reach": "the loss backpropagated reached each of {n} trainable parameters",
     "drift": "{n} frozen tensors (parameters, held BatchNorm buffers) unchanged since frozen",
     "flags": "{n} frozen parameters still had requires_grad=False",

@@ -75,10 +75,12 @@ def test_the_tally_adds_up_what_each_verify_checked() -> None:
         handle.restore()
     tally = handle.tally
     assert tally.runs == 4
-    assert tally.times == {"reach": 3, "drift": 4, "flags": 3, "optimizers": 3}
+    assert tally.times == {"params": 3, "reach": 3, "drift": 4, "flags": 3, "optimizers": 3}
+    assert tally.last["params"].params == 2  # the frozen layer's weight and bias
     assert tally.last["reach"].reach == 4  # after the thaw: all four parameters trainable
     assert tally.last["flags"].flags == 0
     text = str(tally)
     assert text.startswith("verify ran 4 times; every check passed:\n")
     assert "  reach (3x): the loss backpropagated reached each of 4 trainable parameters" in text
+    assert "  params (3x): 2 parameters of the spec were still the objects the model holds" in text
     assert "losses" not in text and "ranks" not in text  # nothing to look at: not counted
