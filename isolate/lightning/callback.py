@@ -133,10 +133,11 @@ class IsolationCallback(Callback):
         :class:`~isolate.spec.handle.IsolationHandle`):
 
         * Lightning calls ``model.train()`` every epoch and resets ``training`` flags after
-          validation by assignment; ``bn="eval"`` holds BatchNorm layers in a forward
-          pre-hook instead (so Lightning's "Found N module(s) in eval mode" warning at fit
-          start is expected). ``sync_batchnorm=True`` replaces the layers after setup, which
-          would drop the hold: it is refused at fit start.
+          validation by assignment; ``bn="eval"`` (``mode="eval"``: the whole frozen part)
+          holds layers in a forward pre-hook instead, so Lightning's "Found N module(s) in
+          eval mode" warning at fit start is expected: the callback says how many it holds.
+          ``sync_batchnorm=True`` replaces the layers after setup, which would drop the
+          hold: it is refused at fit start.
         * DDP synchronises only the parameters that required grad when it was built; a thaw
           under DDP wraps the model again, then checks that all ranks agree.
         * Global-norm gradient clipping couples detached branches to the rest (warned).

@@ -8,7 +8,15 @@ from collections.abc import Mapping, Sequence
 
 from isolate.errors import SpecError
 
-__all__ = ["check_plain", "is_int", "number", "string_list", "unknown_keys", "yaml_number_hint"]
+__all__ = [
+    "check_plain",
+    "is_int",
+    "number",
+    "string_list",
+    "under",
+    "unknown_keys",
+    "yaml_number_hint",
+]
 
 
 def number(value: object) -> bool:
@@ -91,3 +99,19 @@ def check_plain(value: object, where: str) -> None:
         f"{where}: from_dict() takes plain data (str, int, float, bool, None, lists and "
         f"dicts), got {type(value).__name__}; build IsolationSpec(...) directly for objects"
     )
+
+
+def under(prefix: str, selectors: Sequence[str]) -> list[str]:
+    """``selectors`` for the model that holds theirs under ``prefix``."""
+
+    def one(selector: str) -> str:
+        if selector.startswith("!"):
+            return "!" + one(selector[1:])
+        if selector.startswith("type:"):
+            return f"{prefix}/{selector}"
+        return f"{prefix}.{selector}"
+
+    out = [one(s) for s in selectors]
+    if out and all(s.startswith("!") for s in out):
+        out.insert(0, prefix)  # exclusions alone mean the whole (inner) model
+    return out

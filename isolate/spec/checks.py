@@ -113,7 +113,7 @@ class Tally:
     def add(self, verification: Verification, checks: Collection[str]) -> None:
         """Count one verification that ran ``checks``. A check with nothing to look at is not
         counted: ``losses`` without losses, ``reach`` without a total loss, ``ranks`` in one
-        process."""
+        process, ``contracts`` without a clause to check."""
         self.runs += 1
         looked = {
             "losses": bool(verification.losses),

@@ -46,7 +46,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from isolate.errors import SpecError
-from isolate.spec._fields import is_int, number, string_list, unknown_keys
+from isolate.spec._fields import is_int, number, string_list, under, unknown_keys
 
 __all__ = ["KINDS", "Contract", "contracts_of"]
 
@@ -203,9 +203,7 @@ class Contract:
         for key in (*_SELECTORS, *_MODULES):
             value = data.get(key)
             if isinstance(value, list):
-                data[key] = [
-                    f"!{prefix}.{s[1:]}" if s[0] == "!" else f"{prefix}.{s}" for s in value
-                ]
+                data[key] = under(prefix, value)
             elif isinstance(value, str):
                 data[key] = f"{prefix}.{value}"
         return Contract.from_dict(data)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
 from isolate.errors import SpecError
-from isolate.spec._fields import check_plain, string_list, unknown_keys
+from isolate.spec._fields import check_plain, string_list, under, unknown_keys
 from isolate.spec.contracts import Contract, contracts_of
 from isolate.spec.thaw import BN, Thaw
 
@@ -164,11 +164,11 @@ class SpecData:
         data = self.to_dict()
         for key in ("detach", "clone"):
             data[key] = [f"{prefix}.{s}" for s in data[key]]
-        data["freeze"] = _under(prefix, data["freeze"])
+        data["freeze"] = under(prefix, data["freeze"])
         for step in data["thaw"]:
-            step["select"] = _under(prefix, step["select"])
+            step["select"] = under(prefix, step["select"])
         if data["protect"] is not None:
-            data["protect"] = {k: _under(prefix, v) for k, v in data["protect"].items()}
+            data["protect"] = {k: under(prefix, v) for k, v in data["protect"].items()}
         data["contracts"] = [c.prefixed(prefix).to_dict() for c in self.contracts]
         return type(self).from_dict(data)
 
@@ -192,22 +192,6 @@ class SpecData:
         if self.contracts:
             parts.append(f"contracts={[c.name for c in self.contracts]}")
         return f"{type(self).__name__}({', '.join(parts)})"
-
-
-def _under(prefix: str, selectors: Sequence[str]) -> list[str]:
-    """``selectors`` for the model that holds theirs under ``prefix``."""
-
-    def one(selector: str) -> str:
-        if selector.startswith("!"):
-            return "!" + one(selector[1:])
-        if selector.startswith("type:"):
-            return f"{prefix}/{selector}"
-        return f"{prefix}.{selector}"
-
-    out = [one(s) for s in selectors]
-    if out and all(s.startswith("!") for s in out):
-        out.insert(0, prefix)  # exclusions alone mean the whole (inner) model
-    return out
 
 
 def _check_chain(steps: Sequence[Thaw]) -> None:

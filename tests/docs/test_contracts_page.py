@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from pathlib import Path
 
 import yaml
 
 from isolate.spec import IsolationSpec
+from tests._launch import REPO
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "contracts.md"
+PAGE = REPO / "docs" / "contracts.md"
 
 
 def blocks() -> list[tuple[str, str]]:

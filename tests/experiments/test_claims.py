@@ -277,3 +277,48 @@ def test_thaw_and_rank_claims_fail_when_the_run_breaks_them() -> None:
         "trunk.9 is still before its thaw and moves from then on",
         "every process holds the same full parameters after the thaw",
     ]
+
+
+def _verdict(kind: str, clauses: list[str], broken: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A contract's verdict as the Recorder keeps it: each clause checked once."""
+    return {
+        "kind": kind,
+        "clauses": {
+            c: {"checked": 1, "violated": int(c in broken), "first": "x" if c in broken else None}
+            for c in clauses
+        },
+    }
+
+
+TEACHER = ["no loss reaches it", "in no optimizer", "in eval mode", "bitwise still"]
+
+
+def test_contract_claims_need_the_verdict_and_the_report_lists_it() -> None:
+    from experiments.report import _contracts
+
+    results = _fake_results(frozen_trunk={"status": "ok", "drift": {}})
+    observed = {c["check"]: c for c in evaluate_checks(results)}
+    claim = observed["contract teacher:trunk holds"]
+    assert claim["observed"] == "not declared" and not claim["ok"]
+    unchecked = _verdict("teacher", TEACHER)
+    unchecked["clauses"]["bitwise still"]["checked"] = 0
+    results["runs"]["frozen_trunk"]["contracts"] = {"teacher:trunk": unchecked}
+    claim = {c["check"]: c for c in evaluate_checks(results)}["contract teacher:trunk holds"]
+    assert not claim["ok"] and claim["observed"].endswith("(never checked: bitwise still)")
+    results["variants"]["frozen_trunk"]["claims"] = [
+        {"check": "contract", "contract": "teacher:trunk", "holds": False}
+    ]
+    with pytest.raises(ValueError, match=r"holds=false needs the clause that must break"):
+        evaluate_checks(results)
+    broken = _verdict("teacher", TEACHER, ("in eval mode",))
+    broken["clauses"]["in eval mode"]["first"] = (
+        "IsolationCallback: at step 0, contract 'teacher:trunk' (teacher) breaks its clause "
+        "'in eval mode': ['trunk.1'] run in train mode"
+    )
+    results["runs"]["frozen_trunk"]["contracts"] = {"teacher:trunk": broken}
+    lines = _contracts(results)
+    assert lines[0] == "## Contracts"
+    assert (
+        "| frozen_trunk | teacher:trunk | teacher | 4 | broken: 'in eval mode' | "
+        "'in eval mode': ['trunk.1'] run in train mode |" in "\n".join(lines)
+    )

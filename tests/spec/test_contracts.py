@@ -15,6 +15,7 @@ from torch import nn
 import isolate
 from isolate.errors import BlindSpotError, ContractError, IsolationError, SpecError
 from isolate.spec import IsolationSpec
+from isolate.spec.contracts import Contract
 
 
 def net() -> nn.ModuleDict:
@@ -64,6 +65,8 @@ def test_contracts_are_plain_data_that_round_trips() -> None:
     assert IsolationSpec.from_dict(spec.to_dict()) == spec
     moved = spec.prefixed("net")
     assert moved.contracts[0].select == ("net.trunk",) and moved.contracts[2].online == "net.o"
+    trains = Contract("trains", select=("trunk", "!trunk.1", "type:BatchNorm1d"), within=1)
+    assert trains.prefixed("net").select == ("net.trunk", "!net.trunk.1", "net/type:BatchNorm1d")
     assert repr(spec).endswith("mode='eval', contracts=['teacher:trunk', 'probe:probe', 'ema:t'])")
 
 
@@ -130,6 +133,7 @@ def test_a_held_frozen_teacher_holds_and_each_clause_was_checked() -> None:
         step(model, loop, opt, i)
     verification = handle.verify()
     assert verification.contracts == {"teacher:trunk": 3}  # the state clauses, no losses given
+    assert "  contracts (5x): contract 'teacher:trunk' held (3 clause checks)" in str(handle.tally)
     clauses = handle.contracts.verdicts["teacher:trunk"]["clauses"]
     assert {c: v["violated"] for c, v in clauses.items()} == dict.fromkeys(clauses, 0)
     assert clauses["no loss reaches it"]["checked"] == 4  # before backward and after, 2 steps
@@ -501,3 +505,19 @@ def test_restore_leaves_no_weak_reference_on_a_parameter() -> None:
     assert all(not weakref.getweakrefs(p) for p in model.parameters())  # none while applied
     handle.restore()
     assert all(not weakref.getweakrefs(p) for p in model.parameters())
+
+
+def test_restore_closes_every_window_and_drops_its_copies() -> None:
+    """An open window holds copies (an EMA's: both networks) or a snapshot; a restored handle
+    keeps none of them."""
+    model = Pair()
+    opt = torch.optim.SGD(model.online.parameters(), lr=0.1)
+    contracts = [
+        {"kind": "ema", "target": "target", "online": "online", "decay": 0.9},
+        {"kind": "trains", "select": "online", "within": 2},
+    ]
+    handle = IsolationSpec(contracts=contracts).apply(model, opt)
+    handle.step(epoch=0, step=0)  # opens both windows
+    assert [b.due(5) for b in handle.contracts.bound] == [True, True]
+    handle.restore()
+    assert [b.due(5) for b in handle.contracts.bound] == [False, False]
