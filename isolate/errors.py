@@ -7,11 +7,14 @@ know about ``isolate``.
 Certifying checkpoints (:mod:`isolate.certificates`) adds ``CertificateError`` (a
 ``ValueError``: a claim that does not fit the files) and its subclass ``CheckpointReadError``
 (a file that cannot be read safely: truncated, not weights-only, of an unknown format).
+The PEFT integration (:mod:`isolate.peft`) adds ``AdapterStateError`` (a ``ValueError``: a
+PEFT model whose flags contradict its adapters).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AdapterStateError",
     "BlindSpotError",
     "CertificateError",
     "CheckpointMismatchError",
@@ -105,6 +108,12 @@ class ShardedGraphError(BlindSpotError):
 
 class UnsupportedStrategyError(SpecError):
     """A distributed strategy or wrapper under which the spec cannot hold, with the reason."""
+
+
+class AdapterStateError(IsolationError, ValueError):
+    """A PEFT model's ``requires_grad`` flags contradict its adapters: a base tensor trains, an
+    adapter that is not active trains, an active one cannot, or a tied output head trains
+    through ``modules_to_save`` apart from the embedding it is tied to."""
 
 
 class IsolationWarning(UserWarning):

@@ -1,0 +1,1 @@
+"""PEFT integration (stub)."""
