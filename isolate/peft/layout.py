@@ -143,11 +143,17 @@ def layout(model: nn.Module, *, caller: str = "layout()") -> Layout:
     Raises:
         IsolationTypeError: ``model`` holds no PEFT tuner layer or wrapper.
 
-    >>> from tests._llama import lora_llama
-    >>> parts = layout(lora_llama()).parts
-    >>> parts["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
-    Part(role='adapter', adapter='default', active=True, module='base_model.model.model.layers.0.self_attn.q_proj', rows=(), trains=True)
-    >>> parts["base_model.model.model.norm.weight"].role
+    >>> import torch
+    >>> from torch import nn
+    >>> from peft import LoraConfig, get_peft_model
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"], modules_to_save=["2"]))
+    >>> parts = layout(model).parts
+    >>> parts["base_model.model.0.lora_A.default.weight"].describe()
+    "adapter tensor of adapter 'default' (active)"
+    >>> [parts[f"base_model.model.2.{k}.weight"].role for k in ("original_module", "modules_to_save.default")]
+    ['original', 'saved']
+    >>> parts["base_model.model.0.base_layer.weight"].role
     'base'
     """  # noqa: E501
     tuner, wrapper, saved_type, tokens_type = _peft_types()

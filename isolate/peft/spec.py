@@ -41,9 +41,12 @@ def check_flags(model: nn.Module, *, caller: str = "check_flags()") -> Layout:
             input embedding trains through ``modules_to_save`` apart from it.
         IsolationTypeError: ``model`` is not a PEFT model.
 
-    >>> from tests._llama import lora_llama
-    >>> model = lora_llama()
-    >>> _ = model.base_model.model.model.norm.weight.requires_grad_(True)
+    >>> import torch
+    >>> from torch import nn
+    >>> from peft import LoraConfig, get_peft_model
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"], modules_to_save=["2"]))
+    >>> _ = model.base_model.model[0].base_layer.bias.requires_grad_(True)
     >>> check_flags(model)
     Traceback (most recent call last):
     ...
@@ -190,11 +193,17 @@ def spec_for(model: nn.Module, *, within: int = 2, **keys: Any) -> IsolationSpec
         steps is named the same way; raise ``within``, or leave it out with
         ``contracts=...`` of your own.
 
-    >>> from tests._llama import lora_llama
-    >>> spec = spec_for(lora_llama())
-    >>> len(spec.freeze), spec.contracts[0].name, len(spec.contracts[0].select)
-    (21, 'peft:default', 8)
-    """
+    >>> import torch
+    >>> from torch import nn
+    >>> from peft import LoraConfig, get_peft_model
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"], modules_to_save=["2"]))
+    >>> spec = spec_for(model)
+    >>> spec.freeze
+    ('base_model.model.0.base_layer.weight', 'base_model.model.0.base_layer.bias', 'base_model.model.2.original_module.weight', 'base_model.model.2.original_module.bias')
+    >>> spec.contracts[0].name, spec.contracts[0].select[0]
+    ('peft:default', 'base_model.model.0.lora_A.default.weight')
+    """  # noqa: E501
     found = check_flags(model, caller=_CALLER)
     trains = list(found.trains)
     if not trains:
