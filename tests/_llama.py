@@ -16,8 +16,11 @@ from torch import nn
 VOCAB = 128
 
 
-def tiny_llama(*, seed: int = 0, hidden: int = 32, layers: int = 2) -> nn.Module:
-    """A ``LlamaForCausalLM`` with ``layers`` decoder layers, random weights from ``seed``."""
+def tiny_llama(
+    *, seed: int = 0, hidden: int = 32, layers: int = 2, tied: bool = False
+) -> nn.Module:
+    """A ``LlamaForCausalLM`` with ``layers`` decoder layers, random weights from ``seed``;
+    ``tied``: the output head shares the input embedding's weight."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -30,6 +33,7 @@ def tiny_llama(*, seed: int = 0, hidden: int = 32, layers: int = 2) -> nn.Module
         max_position_embeddings=64,
         attention_dropout=0.0,
         use_cache=False,
+        tie_word_embeddings=tied,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -37,7 +41,12 @@ def tiny_llama(*, seed: int = 0, hidden: int = 32, layers: int = 2) -> nn.Module
 
 
 def lora_llama(
-    *, seed: int = 0, checkpointing: bool | None = None, input_grads: bool = True, **kw: Any
+    *,
+    seed: int = 0,
+    checkpointing: bool | None = None,
+    input_grads: bool = True,
+    lora: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> nn.Module:
     """A :func:`tiny_llama` with LoRA (r=4) on the attention projections, base frozen.
 
@@ -49,6 +58,8 @@ def lora_llama(
         input_grads: keep the hook transformers installs with gradient checkpointing that
             makes the embeddings' output require grad; ``False`` removes it, the setup in
             which reentrant checkpointing leaves LoRA without gradient.
+        lora: more keys of the ``LoraConfig`` (``modules_to_save``,
+            ``trainable_token_indices``, ...).
     """
     from peft import LoraConfig, get_peft_model
 
@@ -59,9 +70,13 @@ def lora_llama(
             base.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": checkpointing}
             )
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **(lora or {})
+    )
     logging.getLogger("peft").setLevel(logging.ERROR)
-    model = get_peft_model(base, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # PEFT's warning about a tied head
+        model = get_peft_model(base, config)
     if checkpointing is not None and not input_grads:
         # transformers and PEFT each register the hook, and disable_input_require_grads()
         # removes only the last one registered.

@@ -1,0 +1,245 @@
+"""The spec a PEFT model declares, against PEFT itself: what it trains, what it refuses, and
+the proofs while training (tokens rows bitwise still under AdamW with weight decay)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from isolate.errors import AdapterStateError, ContractError, IsolationTypeError  # noqa: E402
+from isolate.peft import check_flags, layout, spec_for, what_trains  # noqa: E402
+from tests._llama import VOCAB, batch, lora_llama, tiny_llama, trainable  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+]
+EMBED = "base_model.model.model.embed_tokens"
+ROWS = [3, 5, 17]
+
+
+def _two_adapters(**lora: Any) -> torch.nn.Module:
+    from peft import LoraConfig
+
+    model = lora_llama(lora=lora)
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj", "o_proj"], **lora))
+    return model
+
+
+CONFIGS = {
+    "lora": lambda: lora_llama(),
+    "modules_to_save": lambda: lora_llama(lora={"modules_to_save": ["lm_head"]}),
+    "trainable_tokens": lambda: lora_llama(lora={"trainable_token_indices": ROWS}),
+    "two_adapters": lambda: _two_adapters(modules_to_save=["lm_head"]),
+    "bias_all": lambda: lora_llama(lora={"bias": "all"}),
+}
+
+
+def _frozen_base(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_spec_trains_what_peft_marks_trainable_and_freezes_the_rest(config: str) -> None:
+    model = CONFIGS[config]()
+    peft_trainable = {n for n, _ in trainable(model)}
+    spec = spec_for(model)
+    (contract,) = spec.contracts
+    assert set(contract.select) == peft_trainable
+    names = {n for n, _ in model.named_parameters()}
+    assert set(spec.freeze) == names - peft_trainable
+    expects = spec.expectations(model)
+    assert {n for n, e in expects.items() if e == "moves"} == peft_trainable
+
+
+def test_the_layout_reads_each_kind_of_tensor_from_peft_modules() -> None:
+    model = _two_adapters(modules_to_save=["lm_head"], trainable_token_indices=ROWS)
+    parts = layout(model).parts
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert (parts[f"{q}.lora_A.default.weight"].role, parts[f"{q}.lora_A.default.weight"].trains) == (
+        "adapter",
+        True,
+    )
+    assert parts[f"{q}.lora_A.other.weight"].active is False
+    assert parts[f"{q}.base_layer.weight"].role == "base"
+    assert parts["base_model.model.lm_head.original_module.weight"].role == "original"
+    assert parts["base_model.model.lm_head.modules_to_save.default.weight"].role == "saved"
+    delta = parts[f"{EMBED}.token_adapter.trainable_tokens_delta.default"]
+    assert (delta.role, delta.rows) == ("tokens", tuple(ROWS))
+    assert parts[f"{EMBED}.token_adapter.base_layer.weight"].role == "base"
+    assert layout(model).active == ("default",)
+
+
+def test_a_model_without_peft_is_refused() -> None:
+    with pytest.raises(IsolationTypeError, match=r"^spec_for\(\): LlamaForCausalLM holds no PEFT"):
+        spec_for(tiny_llama())
+
+
+def test_a_trainable_base_tensor_is_named_with_the_fix() -> None:
+    model = lora_llama()
+    model.base_model.model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(AdapterStateError, match=r"^spec_for\(\): 1 base tensors require grad") as e:
+        spec_for(model)
+    assert "'base_model.model.model.norm.weight'" in str(e.value)
+    assert "modules_to_save" in str(e.value)
+
+
+def test_a_trainable_embedding_is_pointed_at_trainable_token_indices() -> None:
+    model = lora_llama()
+    model.get_input_embeddings().weight.requires_grad_(True)
+    with pytest.raises(AdapterStateError, match=f"'{EMBED}.weight'.*trainable_token_indices"):
+        spec_for(model)
+
+
+def test_an_inactive_adapter_that_trains_is_named_with_set_adapter() -> None:
+    model = _two_adapters()
+    for name, p in model.named_parameters():
+        if ".other." in name:
+            p.requires_grad_(True)
+    with pytest.raises(
+        AdapterStateError,
+        match=r"adapter 'other' is not active \(active: \['default'\]\) but 8 of its tensors "
+        r"require grad: .*model.set_adapter\('default'\)",
+    ):
+        spec_for(model)
+
+
+def test_an_active_adapter_that_cannot_train_is_named() -> None:
+    model = lora_llama()
+    model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(
+        False
+    )
+    with pytest.raises(AdapterStateError, match=r"1 tensors of the active adapter\(s\) .*is_trainable=True"):
+        spec_for(model)
+
+
+def test_a_tied_head_trained_through_modules_to_save_is_named() -> None:
+    model = lora_llama(tied=True, lora={"modules_to_save": ["lm_head"]})
+    with pytest.raises(
+        AdapterStateError,
+        match=r"base_model.model.lm_head is trained through modules_to_save, but its original "
+        rf"weight is tied to '{EMBED}.weight'.*ensure_weight_tying=True",
+    ):
+        check_flags(model)
+
+
+def test_a_tied_head_trained_as_one_tensor_with_its_embedding_is_accepted() -> None:
+    model = lora_llama(
+        tied=True,
+        lora={"modules_to_save": ["lm_head", "embed_tokens"], "ensure_weight_tying": True},
+    )
+    assert set(spec_for(model).contracts[0].select) == {n for n, _ in trainable(model)}
+
+
+def _train(model: torch.nn.Module, steps: int, *, seed: int = 0, wd: float = 0.1) -> Any:
+    """A plain loop driven by the handle's Loop, checking every step; AdamW with weight decay
+    over every parameter (the spec takes the frozen ones out)."""
+    handle = spec_for(model).apply(model)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=wd
+    )
+    handle.attach(opt)
+    loop = handle.check_every(1)
+    try:
+        for step in range(steps):
+            loop.begin_step(epoch=0, step=step)
+            data = batch(seed=seed * 100 + step)
+            data["input_ids"][:, : len(ROWS)] = torch.tensor(ROWS)  # every listed row is used
+            loss = model(**data).loss
+            loop.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loop.end_step()
+        loop.finish()
+        return handle.tally
+    finally:
+        handle.restore()
+
+
+def test_trainable_tokens_move_only_their_rows_bitwise_under_adamw_weight_decay() -> None:
+    model = lora_llama(lora={"trainable_token_indices": ROWS})
+    wrapper = model.get_input_embeddings()
+    before = wrapper.token_adapter.get_merged_weights(["default"]).detach().clone()
+    base = _frozen_base(model)
+    tally = _train(model, 3)
+    after = wrapper.token_adapter.get_merged_weights(["default"]).detach()
+    others = [i for i in range(VOCAB) if i not in ROWS]
+    for row in others:  # each slice, bitwise
+        assert torch.equal(after[row], before[row]), row
+    assert all(not torch.equal(after[row], before[row]) for row in ROWS)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+    assert tally.times["drift"] == 4 and tally.times["contracts"] >= 1
+
+
+def test_a_gradient_mask_does_not_keep_adamw_from_moving_the_masked_rows() -> None:
+    """The fault the spec refuses is real: brute force, with no isolate in the loop."""
+    model = lora_llama()
+    weight = model.get_input_embeddings().weight
+    weight.requires_grad_(True)
+    mask = torch.zeros(VOCAB, 1)
+    mask[ROWS] = 1.0
+    hook = weight.register_hook(lambda g: g * mask)
+    before = weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], weight_decay=0.1)
+    model(**batch()).loss.backward()
+    opt.step()
+    hook.remove()
+    moved = (weight.detach() != before).any(dim=1)
+    assert moved[[0, 1, 2]].all()  # masked rows, moved by the decay alone
+
+
+def test_clean_training_proves_base_still_and_every_adapter_tensor_moving() -> None:
+    model = lora_llama(lora={"modules_to_save": ["lm_head"]})
+    base = _frozen_base(model)
+    lora = {n: p.detach().clone() for n, p in trainable(model)}
+    tally = _train(model, 3)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+    assert all(not torch.equal(p, lora[n]) for n, p in model.named_parameters() if n in lora)
+    assert tally.last["drift"].drift == len(base)
+    assert tally.last["reach"].reach == len(lora)
+
+
+def test_an_adapter_tensor_that_never_moves_breaks_the_trains_contract() -> None:
+    model = lora_llama()
+    handle_lr0 = spec_for(model, within=1)
+    handle = handle_lr0.apply(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    handle.attach(opt)
+    loop = handle.check_every(1)
+    try:
+        with pytest.raises(ContractError, match=r"peft:default.*did not change"):
+            for step in range(3):
+                loop.begin_step(epoch=0, step=step)
+                loss = model(**batch(seed=step)).loss
+                loop.before_backward(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                loop.end_step()
+    finally:
+        handle.restore()
+
+
+def test_what_trains_separates_flags_from_training() -> None:
+    model = lora_llama(lora={"modules_to_save": ["lm_head"]})
+    model.base_model.model.model.norm.weight.requires_grad_(True)
+    params = [p for n, p in trainable(model) if "lm_head" not in n]
+    opt = torch.optim.AdamW(params)
+    found = what_trains(model, model(**batch()).loss, opt)
+    head = "base_model.model.lm_head.modules_to_save.default.weight"
+    assert set(found.flagged) == {n for n, _ in trainable(model)}
+    assert found.idle == {head: "in no optimizer"}
+    assert head not in found.training and len(found.training) == len(found.flagged) - 1
+    assert list(found.wrong) == ["base_model.model.model.norm.weight"]
+    assert "requires grad, but it is the base weight" in found.wrong[
+        "base_model.model.model.norm.weight"
+    ]
+    text = str(found)
+    assert text.splitlines()[-1].startswith("flagged trainable ")
+    assert f"idle    {head}" in text
