@@ -100,14 +100,14 @@ class Layout:
         return tuple(n for n, p in self.parts.items() if p.role == role)
 
 
-def _peft_types() -> tuple[type, type, type | None, type | None]:
+def _peft_types() -> tuple[Any, Any, Any, Any]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
     try:
         from peft.tuners.trainable_tokens import TrainableTokensLayer
     except ImportError:  # PEFT before TrainableTokens
-        TrainableTokensLayer = None  # type: ignore[assignment,misc]  # noqa: N806
+        TrainableTokensLayer = None  # type: ignore[assignment,misc]
     return BaseTunerLayer, AuxiliaryTrainingWrapper, ModulesToSaveWrapper, TrainableTokensLayer
 
 
@@ -231,10 +231,12 @@ def _prompt_encoders(
         adapters.add(adapter)
         for p in tensors:
             on = adapter in active
-            parts.setdefault(id(p), Part("adapter", adapter, on, f"prompt_encoder.{adapter}", (), on))
+            parts.setdefault(
+                id(p), Part("adapter", adapter, on, f"prompt_encoder.{adapter}", (), on)
+            )
 
 
-def _biases(model: nn.Module, tuner: type, parts: dict[int, Part], active: set[str]) -> None:
+def _biases(model: nn.Module, tuner: Any, parts: dict[int, Part], active: set[str]) -> None:
     """A config's ``bias="all"`` trains every bias, ``"<method>_only"`` the biases of the
     layers it adapts (PEFT's ``_mark_only_adapters_as_trainable``)."""
     configs = getattr(model, "peft_config", None) or {}

@@ -131,11 +131,7 @@ def _untied_heads(model: nn.Module, found: Layout) -> list[str]:
         wrapper = part.module + "."
         local = name[len(wrapper) :].split(".", 2)[-1]  # past "modules_to_save.<adapter>."
         original = f"{wrapper}original_module.{local}"
-        tied = [
-            n
-            for n in names_of.get(id(_get(model, original)), [])
-            if not n.startswith(wrapper)
-        ]
+        tied = [n for n in names_of.get(id(_get(model, original)), []) if not n.startswith(wrapper)]
         shared = [n for n in names_of[id(found.params[name])] if not n.startswith(wrapper)]
         if tied and not shared:
             out.append(
@@ -222,10 +218,10 @@ def spec_for(model: nn.Module, *, within: int = 2, **keys: Any) -> IsolationSpec
     }
     freeze = [*found.frozen, *_as_list(keys.pop("freeze", ()))]
     contracts = [contract, *_as_list(keys.pop("contracts", ()))]
-    return IsolationSpec(freeze=freeze, contracts=contracts, **keys)
+    return IsolationSpec(freeze=tuple(freeze), contracts=tuple(contracts), **keys)
 
 
 def _as_list(value: object) -> list[Any]:
     if isinstance(value, (str, Mapping)):
         return [value]
-    return list(value)  # type: ignore[call-overload]
+    return list(value)  # type: ignore[call-overload,no-any-return]

@@ -24,9 +24,9 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from isolate.errors import AdapterStateError, ContractError, IsolationError  # noqa: E402
-from isolate.peft import spec_for  # noqa: E402
-from tests._llama import VOCAB, batch, lora_llama  # noqa: E402
+from isolate.errors import AdapterStateError, ContractError, IsolationError
+from isolate.peft import spec_for
+from tests._llama import VOCAB, batch, lora_llama
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from isolate.errors import AdapterStateError, ContractError, IsolationTypeError  # noqa: E402
-from isolate.peft import check_flags, layout, spec_for, what_trains  # noqa: E402
-from tests._llama import VOCAB, batch, lora_llama, tiny_llama, trainable  # noqa: E402
+from isolate.errors import AdapterStateError, ContractError, IsolationTypeError
+from isolate.peft import check_flags, layout, spec_for, what_trains
+from tests._llama import VOCAB, batch, lora_llama, tiny_llama, trainable
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -61,7 +61,10 @@ def test_the_layout_reads_each_kind_of_tensor_from_peft_modules() -> None:
     model = _two_adapters(modules_to_save=["lm_head"], trainable_token_indices=ROWS)
     parts = layout(model).parts
     q = "base_model.model.model.layers.0.self_attn.q_proj"
-    assert (parts[f"{q}.lora_A.default.weight"].role, parts[f"{q}.lora_A.default.weight"].trains) == (
+    assert (
+        parts[f"{q}.lora_A.default.weight"].role,
+        parts[f"{q}.lora_A.default.weight"].trains,
+    ) == (
         "adapter",
         True,
     )
@@ -114,7 +117,9 @@ def test_an_active_adapter_that_cannot_train_is_named() -> None:
     model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(
         False
     )
-    with pytest.raises(AdapterStateError, match=r"1 tensors of the active adapter\(s\) .*is_trainable=True"):
+    with pytest.raises(
+        AdapterStateError, match=r"1 tensors of the active adapter\(s\) .*is_trainable=True"
+    ):
         spec_for(model)
 
 
@@ -237,9 +242,10 @@ def test_what_trains_separates_flags_from_training() -> None:
     assert found.idle == {head: "in no optimizer"}
     assert head not in found.training and len(found.training) == len(found.flagged) - 1
     assert list(found.wrong) == ["base_model.model.model.norm.weight"]
-    assert "requires grad, but it is the base weight" in found.wrong[
-        "base_model.model.model.norm.weight"
-    ]
+    assert (
+        "requires grad, but it is the base weight"
+        in found.wrong["base_model.model.model.norm.weight"]
+    )
     text = str(found)
     assert text.splitlines()[-1].startswith("flagged trainable ")
     assert f"idle    {head}" in text
