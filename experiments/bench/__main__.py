@@ -21,9 +21,11 @@ from experiments.bench import (
     freeze,
     frozen,
     imports,
+    peft_llama,
     reachability,
     report,
     scale,
+    seethrough,
     sharded,
     wrappers,
 )
@@ -34,12 +36,14 @@ __all__ = ["SECTIONS", "Settings", "main"]
 
 @dataclass(frozen=True)
 class Settings:
-    """What the command line asks of the sections: small sizes, and the sizes of two of them
-    (already the small ones under ``quick``)."""
+    """What the command line asks of the sections: small sizes, and the sizes of those that
+    have sizes (already the small ones under ``quick``)."""
 
     quick: bool
     scale: scale.ScaleConfig
     sharded: sharded.ShardedConfig
+    peft: peft_llama.PeftConfig
+    seethrough: seethrough.SeethroughConfig
 
 
 SECTIONS: dict[str, Callable[[Settings], list[Row]]] = {
@@ -52,8 +56,16 @@ SECTIONS: dict[str, Callable[[Settings], list[Row]]] = {
     "scale": lambda s: scale.run(s.scale),
     "sharded": lambda s: sharded.run(s.sharded),
     "imports": lambda s: imports.run(s.quick),
+    "peft": lambda s: peft_llama.run(s.peft),
+    "seethrough": lambda s: seethrough.run(s.seethrough),
 }
-_SIZED = (("scale", scale.ScaleConfig), ("sharded", sharded.ShardedConfig))
+# section -> (its sizes, the small sizes of --quick)
+_SIZED: dict[str, tuple[type, object]] = {
+    "scale": (scale.ScaleConfig, scale.QUICK_SCALE),
+    "sharded": (sharded.ShardedConfig, sharded.QUICK_SHARDED),
+    "peft": (peft_llama.PeftConfig, peft_llama.QUICK_PEFT),
+    "seethrough": (seethrough.SeethroughConfig, seethrough.QUICK_SEETHROUGH),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     parser.add_argument("--output", default="outputs/bench", help="folder for bench.json/md")
     parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run")
-    for section, config in _SIZED:
+    for section, (config, _) in _SIZED.items():
         for name, default in vars(config()).items():
             parser.add_argument(f"--{section}-{name.replace('_', '-')}", type=int,
                                 default=default,
@@ -74,12 +86,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     sizes = {
-        section: config(**{n: getattr(args, f"{section}_{n}") for n in vars(config())})
-        for section, config in _SIZED
+        section: quick if args.quick else config(
+            **{n: getattr(args, f"{section}_{n}") for n in vars(config())}
+        )
+        for section, (config, quick) in _SIZED.items()
     }
-    if args.quick:
-        sizes = {"scale": scale.QUICK_SCALE, "sharded": sharded.QUICK_SHARDED}
-    return Settings(args.quick, sizes["scale"], sizes["sharded"])  # type: ignore[arg-type]
+    return Settings(args.quick, **sizes)  # type: ignore[arg-type]
 
 
 def _write(rows: list[Row], env: dict[str, object], out: Path) -> None:
@@ -111,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "quick": args.quick,
-        "scale": vars(settings.scale),
-        "sharded": vars(settings.sharded),
+        **{section: vars(getattr(settings, section)) for section in _SIZED},
     }
     rows: list[Row] = []
     for name in args.only or SECTIONS:

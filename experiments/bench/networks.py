@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import logging
+import warnings
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-__all__ = ["ReverseByHand", "mnist_net", "resnet_net", "transformer"]
+__all__ = ["LlamaShape", "ReverseByHand", "llama_lora", "mnist_net", "resnet_net", "transformer"]
 
 
 def mnist_net() -> tuple[nn.Module, nn.Module, Callable[[int], torch.Tensor]]:
@@ -35,6 +39,59 @@ def transformer(layers: int, width: int, heads: int) -> nn.TransformerEncoder:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shape of a Llama built from a config (the default: TinyLlama's, 1.1B parameters)."""
+
+    hidden: int = 2048
+    intermediate: int = 5632
+    layers: int = 22
+    heads: int = 32
+    kv_heads: int = 4
+    vocab: int = 32000
+    positions: int = 2048
+
+
+def llama_lora(shape: LlamaShape, *, reentrant: bool | None, rank: int = 8) -> nn.Module:
+    """A random-initialised ``LlamaForCausalLM`` of ``shape`` (seeded; nothing downloaded)
+    with PEFT's LoRA adapters of rank ``rank`` on the attention's q and v projections, the
+    base frozen by PEFT, in train mode.
+
+    ``reentrant``: ``None`` for no gradient checkpointing, else transformers'
+    ``gradient_checkpointing_enable`` with ``use_reentrant=reentrant`` (PEFT's
+    ``prepare_model_for_kbit_training`` asks for ``True``; transformers' own default is
+    ``False``). Needs ``transformers`` and ``peft`` (the ``peft`` extra).
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.positions,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    if reentrant is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the old name of the same call
+            base.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+            )
+    logging.getLogger("peft").setLevel(logging.ERROR)
+    lora = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+    )
+    model = get_peft_model(base, lora)
+    model.train()
+    return model
 
 
 class ReverseByHand(torch.autograd.Function):
