@@ -34,7 +34,14 @@ from torch.utils.checkpoint import CheckpointFunction, detach_variable, set_devi
 
 from isolate.errors import BlindSpotError
 
-__all__ = ["Segment", "differentiate", "is_reentrant", "recompute", "recomputing"]
+__all__ = [
+    "Segment",
+    "differentiate",
+    "is_reentrant",
+    "recompute",
+    "recomputing",
+    "shared_reruns",
+]
 
 Edge = tuple[Node | None, int]
 
@@ -214,6 +221,27 @@ class Segment:
     bridges: dict[int, tuple[torch.Tensor, Edge]] = field(default_factory=dict)
 
 
+# node -> its segment re-run, while shared_reruns() holds; None: every walk re-runs its own
+_SHARED: contextvars.ContextVar[dict[Node, Segment] | None] = contextvars.ContextVar(
+    "isolate_shared_reruns", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_reruns() -> Iterator[None]:
+    """Re-run each reentrant segment at most once for every walk inside the block.
+
+    The checks of one verification walk the same graph several times (the named losses,
+    then the total's reach); a re-run costs about the segment's forward, and its graph's
+    structure does not change between walks. What the re-runs built is let go on exit.
+    """
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def recompute(node: Node, caller: str) -> Segment:
     """Re-run the segment of a reentrant checkpoint node, for a walk of its graph.
 
@@ -221,6 +249,9 @@ def recompute(node: Node, caller: str) -> Segment:
         BlindSpotError: the node's saved arguments were freed by a backward, or the segment
             fails when re-run.
     """
+    shared = _SHARED.get()
+    if shared is not None and node in shared:
+        return shared[node]
     detached, outputs = _rerun(node, caller, keep_saved=False)
     segment = Segment(
         edges=[_edge(o) for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -230,6 +261,8 @@ def recompute(node: Node, caller: str) -> Segment:
         arg = detached[index]
         if edge[0] is not None and arg.requires_grad:
             segment.bridges[id(arg)] = (arg, edge)
+    if shared is not None:
+        shared[node] = segment
     return segment
 
 

@@ -140,13 +140,14 @@ def resident_bytes() -> int:
 class PeakResident:
     """The highest resident memory while the block runs: the kernel's own high-water mark
     (``VmHWM``, reset on entry through ``/proc/self/clear_refs``) where Linux allows it, else
-    a sample every millisecond (which can miss a short peak on a busy machine)."""
+    a sample every millisecond (which can miss a short peak on a busy machine); ``kernel``
+    says which."""
 
     def __init__(self) -> None:
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._kernel = False
+        self.kernel = False
 
     def _sample(self) -> None:
         while not self._stop.is_set():
@@ -164,9 +165,9 @@ class PeakResident:
         try:
             Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
             self._high_water()
-            self._kernel = True
+            self.kernel = True
         except OSError:
-            self._kernel = False
+            self.kernel = False
         self.peak = resident_bytes()
         self._thread.start()
         return self
@@ -175,7 +176,7 @@ class PeakResident:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, resident_bytes())
-        if self._kernel:
+        if self.kernel:
             self.peak = max(self.peak, self._high_water())
 
 

@@ -156,7 +156,7 @@ def _drift_rows(run: _Run, label: str) -> list[Row]:
         "extra MB": extra_mb,
         "watch kept (tracemalloc) MB": watch_bytes / 2**20,
         "check peak resident growth MB": transient / 2**20,
-        "kernel high-water mark": peak._kernel,
+        "kernel high-water mark": peak.kernel,
         "model MB": size / 2**20,
     }
     checked = {"frozen tensors checked per drift check": seen[-1]}

@@ -114,7 +114,7 @@ def _walk_memory(
     extra = {
         "checkpointed forward saved MB": checkpointed / 2**20,
         "forward without checkpointing saved MB": full / 2**20,
-        "kernel high-water mark": peak._kernel,
+        "kernel high-water mark": peak.kernel,
     }
     return Row("walk peak resident growth (reentrant, Llama + LoRA)", "cut_off_parameters",
                "activations a forward without checkpointing saves", grown, full, _MEASURED,

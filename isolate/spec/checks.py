@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from isolate._autograd import walk
+from isolate._checkpointing import shared_reruns
 from isolate._sharding import check_leaves
 from isolate._text import shown
 from isolate._walker import Names
@@ -428,39 +429,42 @@ def run_checks(
         held, found = check_replaced(plan, frozen, optimizers, when, caller)
     if found:  # the other checks would look at objects the model no longer holds
         checks = [c for c in checks if c == "ranks"]
-    counts: dict[str, int] = {}
-    if "losses" in checks and losses is not None:
-        counts, leaks = check_losses(
-            plan,
-            frozen,
-            checked_losses(plan, losses, branches.overflow, caller),
-            branches.inputs,
-            when,
-            caller,
-        )
-        found += leaks
-    total, expected_unused = reach
-    reached = 0
-    if "reach" in checks and total is not None:
-        reached, cut = check_reach(plan.model, total, expected_unused, when, caller)
-        found += cut
-    drifted = 0
-    if "drift" in checks and watched is not None:
-        drifted = len(watched)
-        moved, watched = check_drift(watched, when, caller)
-        found += moved
-    if "flags" in checks:
-        found += check_flags(frozen, when, caller)
-    if "optimizers" in checks:
-        found += check_optimizers(frozen, optimizers, when, caller, thawed)
-    kept: dict[str, int] = {}
-    if "contracts" in checks and contracts:
-        totals = None if total is None else [total] if torch.is_tensor(total) else list(total)
-        # The named losses' check before backward leaves what the optimizer step may move
-        # (optimizers, modes, drift) to the check after the step.
-        state = "drift" in checks or "losses" not in checks
-        kept, broken = contracts.check(losses, totals, optimizers, when, state=state)
-        found = broken + found  # a method's clause says more than the generic check it implies
+    # The checks below walk the same graph several times: each checkpointed segment is
+    # re-run once for all of them.
+    with shared_reruns():
+        counts: dict[str, int] = {}
+        if "losses" in checks and losses is not None:
+            counts, leaks = check_losses(
+                plan,
+                frozen,
+                checked_losses(plan, losses, branches.overflow, caller),
+                branches.inputs,
+                when,
+                caller,
+            )
+            found += leaks
+        total, expected_unused = reach
+        reached = 0
+        if "reach" in checks and total is not None:
+            reached, cut = check_reach(plan.model, total, expected_unused, when, caller)
+            found += cut
+        drifted = 0
+        if "drift" in checks and watched is not None:
+            drifted = len(watched)
+            moved, watched = check_drift(watched, when, caller)
+            found += moved
+        if "flags" in checks:
+            found += check_flags(frozen, when, caller)
+        if "optimizers" in checks:
+            found += check_optimizers(frozen, optimizers, when, caller, thawed)
+        kept: dict[str, int] = {}
+        if "contracts" in checks and contracts:
+            totals = None if total is None else [total] if torch.is_tensor(total) else list(total)
+            # The named losses' check before backward leaves what the optimizer step may move
+            # (optimizers, modes, drift) to the check after the step.
+            state = "drift" in checks or "losses" not in checks
+            kept, broken = contracts.check(losses, totals, optimizers, when, state=state)
+            found = broken + found  # a method's clause says more than the generic check it implies
     ranks = world_size() if "ranks" in checks else 1
     if ranks > 1:  # every rank also learns what the others found: one verdict for all
         found += check_ranks(Names.of(plan.model).params, when, caller, found)

@@ -280,3 +280,36 @@ def test_a_segment_that_cannot_be_re_run_is_refused_by_every_audit() -> None:
     plain.backward()
     with pytest.raises(BlindSpotError, match=r"^gradient_invariance\(\): part of the loss"):
         gradient_invariance(plain, plain * 1, model.head)
+
+
+def test_one_verification_re_runs_each_segment_once_for_all_its_walks() -> None:
+    """The named losses' walk and the total's reach walk share one re-run of each segment
+    (one forward's worth of compute, not two), and answer as a real backward does."""
+    from isolate.spec import IsolationSpec
+
+    model = Net("reentrant")
+    calls: list[int] = []
+    segment = model.segment
+
+    def counted(h: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return segment(h)
+
+    model.segment = counted  # type: ignore[method-assign]
+    handle = IsolationSpec(freeze=["probe", "unused", "side"]).apply(model)
+    try:
+        main, _ = model.run(IDS, leak=False)
+        assert len(calls) == 1  # the forward
+        verification = handle.verify({"main": main}, total=main)
+        assert len(calls) == 2  # one re-run for both walks
+        assert verification.losses == {"main": 6} and verification.reach == 5
+        assert reached(real_grads(main, model)) == (
+            "embed.weight", "block.weight", "block.bias", "head.weight", "head.bias",
+        )  # fmt: skip
+        assert len(calls) == 3  # the backward's own re-run
+        # Outside a verification every walk re-runs the segment again: nothing is kept.
+        reachable_parameters(main, model)
+        reachable_parameters(main, model)
+        assert len(calls) == 5
+    finally:
+        handle.restore()
