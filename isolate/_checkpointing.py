@@ -23,7 +23,7 @@ import functools
 import sys
 import types
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,9 @@ from isolate.errors import BlindSpotError
 __all__ = [
     "Segment",
     "differentiate",
+    "arguments_kept",
     "is_reentrant",
+    "keep_arguments",
     "recompute",
     "recomputing",
     "shared_reruns",
@@ -165,6 +167,47 @@ def _never(packed: torch.Tensor | None) -> torch.Tensor:
     return packed
 
 
+# reentrant node -> its saved arguments, read before a backward freed them (arguments_kept)
+_KEPT: contextvars.ContextVar[Mapping[Node, tuple[torch.Tensor, ...]]] = contextvars.ContextVar(
+    "isolate_kept_arguments", default=types.MappingProxyType({})
+)
+
+
+def keep_arguments(outputs: Sequence[torch.Tensor]) -> dict[Node, tuple[torch.Tensor, ...]]:
+    """The saved arguments of every reentrant segment in the graphs of ``outputs``, read now.
+
+    A backward without ``retain_graph=True`` frees them; a walk after it re-runs the
+    segments from these inside :func:`arguments_kept`. Holding them costs what the
+    checkpoints hold until backward (each segment's inputs), for as long as they are held.
+    """
+    return {node: tuple(node.saved_tensors) for node in _reentrant_in(outputs)}
+
+
+@contextlib.contextmanager
+def arguments_kept(kept: Mapping[Node, tuple[torch.Tensor, ...]]) -> Iterator[None]:
+    """Inside the block, a segment whose saved arguments a backward freed is re-run from
+    ``kept`` (made by :func:`keep_arguments` before that backward)."""
+    token = _KEPT.set(kept)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+def _saved_arguments(node: Any, caller: str) -> tuple[torch.Tensor, ...]:
+    try:
+        return tuple(node.saved_tensors)
+    except RuntimeError as error:
+        kept = _KEPT.get().get(node)
+        if kept is not None:
+            return kept
+        raise BlindSpotError(
+            f"{caller}: cannot re-run {_describe(node)} to see which parameters it uses: its "
+            f"saved arguments are gone ({error}). Fix: run the audit before backward, or "
+            f"call backward(retain_graph=True)"
+        ) from None
+
+
 def _rerun(
     node: Any, caller: str, *, keep_saved: bool = True
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -174,14 +217,7 @@ def _rerun(
     structure, and holding every segment's activations at once would cost what
     checkpointing saves.
     """
-    try:
-        saved = node.saved_tensors
-    except RuntimeError as error:
-        raise BlindSpotError(
-            f"{caller}: cannot re-run {_describe(node)} to see which parameters it uses: its "
-            f"saved arguments are gone ({error}). Fix: run the audit before backward, or "
-            f"call backward(retain_graph=True)"
-        ) from None
+    saved = _saved_arguments(node, caller)
     args = list(node.inputs)
     for i, index in enumerate(node.tensor_indices):
         args[index] = saved[i]

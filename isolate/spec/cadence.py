@@ -6,6 +6,11 @@ reach, params, drift, flags, optimizers and ranks after the step; a group thawed
 be reached on that step, whatever ``every`` says; before a thaw no parameter of the spec may be
 replaced; the ranks agree after every thaw. It holds the state of one step between the loop's
 three calls (``begin``, ``before_backward``, ``end``).
+
+Behind reentrant checkpoints the reach check after backward re-runs each segment as backward
+did; backward freed the segments' arguments, so a step whose reach is checked keeps them from
+``before_backward`` to its end (what the checkpoints held until backward: each segment's
+inputs).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from isolate._checkpointing import arguments_kept, keep_arguments
 from isolate.errors import SpecError
 from isolate.spec._fields import string_list
 from isolate.spec.ranks import world_size
@@ -40,6 +46,7 @@ class Due:
     checks: tuple[str, ...]
     when: str
     total: tuple[torch.Tensor, ...] = ()
+    kept: Mapping[Any, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +75,7 @@ class Cadence:
     _check_step: int = -1
     _losses_seen: bool = False
     _totals: list[torch.Tensor] = field(default_factory=list)
+    _kept: dict[Any, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     _after_thaw: str | None = None
 
     @classmethod
@@ -110,14 +118,15 @@ class Cadence:
         self._step = step
         # A thawed group must be reached on its first step: check reach then, whatever every.
         self._reach = self.checking or bool(thawed)
-        self._totals = []
+        self._totals, self._kept = [], {}
         if thawed:
             self._after_thaw = f"after thawing {list(thawed)} (epoch {epoch}, step {step})"
 
     def before_backward(self, loss: torch.Tensor, losses: Mapping[str, torch.Tensor] | None) -> Due:
         """Keep ``loss`` for the reach check; the check of ``losses`` due now, if any."""
         if self._reach:
-            self._totals.append(loss)  # the walk works after backward too
+            self._totals.append(loss)  # the walk works after backward too, and re-runs
+            self._kept.update(keep_arguments([loss]))  # reentrant segments from these
         if not self.checking or not losses:
             return Due((), "")
         self._losses_seen = True
@@ -149,8 +158,8 @@ class Cadence:
         elif self._after_thaw is not None:
             when = when if checks else self._after_thaw  # reach on the thaw's step says so
             checks = (*checks, "ranks")
-        due = Due(tuple(dict.fromkeys(checks)), when, tuple(self._totals))
-        self._reach, self._totals, self._after_thaw = False, [], None
+        due = Due(tuple(dict.fromkeys(checks)), when, tuple(self._totals), self._kept)
+        self._reach, self._totals, self._kept, self._after_thaw = False, [], {}, None
         self.checking = False
         return due
 
@@ -254,7 +263,8 @@ class Loop:
             self.handle.plan.spec.protect, self.handle.caller, self.handle.contracts.losses
         )
         if due.checks:
-            self._verify(due.checks, due.when, total=list(due.total) or None)
+            with arguments_kept(due.kept):
+                self._verify(due.checks, due.when, total=list(due.total) or None)
 
     def finish(self) -> None:
         """A last check of params, drift, contracts and ranks, at the end of training."""

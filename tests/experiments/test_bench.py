@@ -239,3 +239,107 @@ def test_import_section_times_fresh_interpreters_and_names_what_isolate_loads(
     credited = extra["first imported under"]
     assert set(credited) <= set(counts)
     assert all(module.split(".")[0] == "isolate" for module in credited.values())
+
+
+TINY_PEFT = {
+    "hidden": 32,
+    "intermediate": 64,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "vocab": 128,
+    "tokens": 8,
+    "steps": 2,
+    "repeat": 2,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_peft_section_in_a_tiny_configuration(tmp_path: Path) -> None:
+    """A tiny Llama with LoRA behind reentrant checkpointing: every row is written, and each
+    check really ran on the model (counts, a real walk, a moved base weight caught)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from experiments.bench.peft_llama import PeftConfig
+
+    sizes = [f"--peft-{k.replace('_', '-')}={v}" for k, v in TINY_PEFT.items()]
+    assert main(["--only", "peft", "--output", str(tmp_path), *sizes]) == 0
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["env"]["peft"] == vars(PeftConfig(**TINY_PEFT))
+    rows = {row["name"].split(",")[0]: row for row in check_rows(tmp_path)}
+    assert list(rows) == [
+        "drift check of the frozen base vs one read",
+        "drift check extra memory",
+        "peers: deepcopy before + compare after vs one read",
+        "peers: deepcopy extra resident memory",
+        "reachable_parameters through checkpointed segments vs one forward",
+        "cut_off_parameters through checkpointed segments vs one forward",
+        "verification every 50 steps vs training",
+    ]
+    frozen, adapters = 21, 8  # 2 layers: 9 tensors each, embeddings, norm, head; q, v: A, B
+    drift = rows["drift check of the frozen base vs one read"]
+    assert (drift["limit"], drift["candidate"]) == (1.2, "verify(checks=('drift',))")
+    assert drift["extra"]["frozen tensors"] == frozen
+    assert drift["extra"]["trainable tensors"] == adapters
+    assert drift["extra"]["frozen tensors checked per drift check"] == frozen
+    moved = drift["extra"]["a base weight moved, the drift check raised"]
+    name = moved.split(":")[0]
+    assert name.startswith("base_model.model.model.layers.") and "lora" not in name
+    assert f"frozen tensors moved (at epoch 0, step 1): ['{name}']" in moved
+    memory = rows["drift check extra memory"]
+    assert memory["unit"] == "bytes" and memory["metric_name"] == "extra MB"
+    parts = memory["extra"]
+    assert parts["extra MB"] == parts["watch kept (tracemalloc) MB"] + parts[
+        "check peak resident growth MB"
+    ]
+    assert parts["watch kept (tracemalloc) MB"] > 0
+    peers = rows["peers: deepcopy before + compare after vs one read"]["extra"]
+    assert peers["unchanged"] is True and peers["compared tensors"] == frozen
+    assert rows["peers: deepcopy extra resident memory"]["ok"] is None
+    reach = rows["reachable_parameters through checkpointed segments vs one forward"]
+    assert reach["extra"] == {"reached": adapters, "trainable": adapters, "reached == trainable": True}
+    cut = rows["cut_off_parameters through checkpointed segments vs one forward"]
+    assert cut["extra"] == {"cut off": 0, "checked": adapters} and cut["limit"] == 1.0
+    verify = rows["verification every 50 steps vs training"]
+    assert verify["name"].endswith("(amortised)") and verify["limit"] == 0.01
+    assert math.isclose(verify["ratio"], verify["extra"]["verify / one step"] / 50)
+    assert len(verify["extra"]["step seconds"]) == len(verify["extra"]["verify seconds"]) == 1
+    assert verify["extra"]["verification"] == {
+        "params": frozen,
+        "losses": {"loss": frozen},
+        "reach": adapters,
+        "drift": frozen,
+        "flags": frozen,
+        "optimizers": 1,
+        "ranks": 1,
+        "contracts": {},
+        "violations": [],
+    }
+    assert verify["extra"]["handle.check_every(50) check step"] == "passed"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_seethrough_section_runs_every_walk_it_times(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    assert main(["--quick", "--only", "seethrough", "--output", str(tmp_path)]) == 0
+    rows = check_rows(tmp_path)
+    assert [(row["name"].split(" (")[0], row["baseline"]) for row in rows] == [
+        ("walk", "one backward"),
+        ("walk", "one forward"),
+        ("gradients", "one backward"),
+        ("walk peak resident growth", "activations a forward without checkpointing saves"),
+        ("walk", "one backward"),
+        ("walk", "one forward"),
+        ("gradients", "one backward"),
+        ("walk", "one backward"),
+        ("walk", "one backward"),
+    ]
+    assert all(row["ok"] is None for row in rows)  # measured, no targets
+    memory = rows[3]
+    assert memory["unit"] == "bytes"
+    assert memory["extra"]["forward without checkpointing saved MB"] > memory["extra"][
+        "checkpointed forward saved MB"
+    ]

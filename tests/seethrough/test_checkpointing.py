@@ -313,3 +313,37 @@ def test_one_verification_re_runs_each_segment_once_for_all_its_walks() -> None:
         assert len(calls) == 5
     finally:
         handle.restore()
+
+
+@pytest.mark.parametrize("side_frozen", [True, False])
+def test_the_loop_checks_reach_after_backward_through_reentrant_segments(
+    side_frozen: bool,
+) -> None:
+    """Backward frees what a reentrant segment saved; the loop's reach check after it re-runs
+    the segment from the arguments kept before backward, and sees inside: a parameter the
+    segment reads only through ``.detach()`` is named cut off, as a real backward finds."""
+    from isolate.spec import IsolationSpec
+
+    model = Net("reentrant")
+    frozen = ["probe", "unused", *(["side"] if side_frozen else [])]
+    handle = IsolationSpec(freeze=frozen).apply(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    handle.attach(opt)
+    try:
+        loop = handle.check_every(1)
+        loop.begin_step(epoch=0, step=0)
+        main, _ = model.run(IDS, leak=False)
+        loop.before_backward(main, {"main": main})
+        main.backward()
+        assert model.side.weight.grad is None and model.block.weight.grad is not None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if side_frozen:
+            loop.end_step()
+            assert handle.tally.times["reach"] == 1
+            assert handle.tally.last["reach"].reach == 5  # embed, block (2), head (2)
+        else:
+            with pytest.raises(CutOffError, match=r"side\.weight"):
+                loop.end_step()
+    finally:
+        handle.restore()
