@@ -11,6 +11,13 @@ The ``sharded`` section (``--only sharded``) measures the engine's verification 
 training step under ``fully_shard`` (FSDP2) on 2 CPU processes (gloo); its size is set by
 ``--sharded-layers/--sharded-width`` (default: 8 encoder layers of width 512, 25M parameters,
 40 s on an idle 2-core machine).
+The ``peft`` section (``--only peft``) measures the checks on the standard PEFT setup: a
+random-initialised Llama built from a config (nothing downloaded) with LoRA r=8 behind
+reentrant gradient checkpointing, trained with AdamW on the CPU; its size is set by
+``--peft-*`` (default: TinyLlama's shape, 1.1B parameters, 4.4 GB in fp32; with the deep copy
+of the peers' way, peak resident memory about 10 GB). The ``seethrough`` section
+(``--only seethrough``) times the audits through checkpointed segments and compiled regions
+against one forward and one backward (``--seethrough-*`` sizes). Both need the ``peft`` extra.
 The ``imports`` section (``--only imports``) times ``import isolate`` against ``import torch``,
 each in fresh interpreters.
 
@@ -18,7 +25,8 @@ Every row states its target as a limit on one number (``metric``, the ratio unle
 otherwise), and ``ok`` is that limit applied to the number written next to it.
 
 One module per section (:mod:`~experiments.bench.wrappers`, ``freeze``, ``reachability``,
-``report``, ``frozen``, ``callback``, ``scale``, ``sharded``, ``imports``), over a shared timing
+``report``, ``frozen``, ``callback``, ``scale``, ``sharded``, ``imports``, ``peft_llama`` for
+``peft``, ``seethrough``), over a shared timing
 harness (``_timing``: every figure is the median of interleaved repeats (A, B, A, B, ...)
 after warm-up, so slow phases of a shared machine hit both sides alike).
 """

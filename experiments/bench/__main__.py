@@ -86,9 +86,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     sizes = {
-        section: quick if args.quick else config(
-            **{n: getattr(args, f"{section}_{n}") for n in vars(config())}
-        )
+        section: quick
+        if args.quick
+        else config(**{n: getattr(args, f"{section}_{n}") for n in vars(config())})
         for section, (config, quick) in _SIZED.items()
     }
     return Settings(args.quick, **sizes)  # type: ignore[arg-type]

@@ -222,7 +222,6 @@ def _walk_rows(run: _Run, label: str) -> list[Row]:
     rows[0].extra = {"reached": len(reached), "trainable": len(wanted),
                      "reached == trainable": reached == wanted}  # fmt: skip
     rows[1].extra = {"cut off": len(found.parameters), "checked": found.trainable}
-    del loss
     return rows
 
 
@@ -313,4 +312,3 @@ def run(cfg: PeftConfig) -> list[Row]:
             training.handle.restore()
     rows[0].extra |= described | {"a base weight moved, the drift check raised": caught}
     return rows
-

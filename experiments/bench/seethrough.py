@@ -104,9 +104,7 @@ def _walk_memory(
     """How far the walk raises the peak resident memory, next to the activations a forward
     without checkpointing saves for backward."""
     checkpointed = saved_bytes(forward)  # type: ignore[arg-type]
-    plain = llama_lora(cfg.shape(), reentrant=None)
-    full = saved_bytes(lambda: plain(input_ids=ids, labels=ids))
-    del plain
+    full = _saved_without_checkpointing(cfg, ids)
     before = settle()
     with PeakResident() as peak:
         _clean(loss, model)
@@ -119,6 +117,11 @@ def _walk_memory(
     return Row("walk peak resident growth (reentrant, Llama + LoRA)", "cut_off_parameters",
                "activations a forward without checkpointing saves", grown, full, _MEASURED,
                None, extra, unit="bytes")  # fmt: skip
+
+
+def _saved_without_checkpointing(cfg: SeethroughConfig, ids: torch.Tensor) -> int:
+    plain = llama_lora(cfg.shape(), reentrant=None)
+    return saved_bytes(lambda: plain(input_ids=ids, labels=ids))
 
 
 class _Stack(nn.Module):

@@ -290,15 +290,20 @@ def test_peft_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     memory = rows["drift check extra memory"]
     assert memory["unit"] == "bytes" and memory["metric_name"] == "extra MB"
     parts = memory["extra"]
-    assert parts["extra MB"] == parts["watch kept (tracemalloc) MB"] + parts[
-        "check peak resident growth MB"
-    ]
+    assert (
+        parts["extra MB"]
+        == parts["watch kept (tracemalloc) MB"] + parts["check peak resident growth MB"]
+    )
     assert parts["watch kept (tracemalloc) MB"] > 0
     peers = rows["peers: deepcopy before + compare after vs one read"]["extra"]
     assert peers["unchanged"] is True and peers["compared tensors"] == frozen
     assert rows["peers: deepcopy extra resident memory"]["ok"] is None
     reach = rows["reachable_parameters through checkpointed segments vs one forward"]
-    assert reach["extra"] == {"reached": adapters, "trainable": adapters, "reached == trainable": True}
+    assert reach["extra"] == {
+        "reached": adapters,
+        "trainable": adapters,
+        "reached == trainable": True,
+    }
     cut = rows["cut_off_parameters through checkpointed segments vs one forward"]
     assert cut["extra"] == {"cut off": 0, "checked": adapters} and cut["limit"] == 1.0
     verify = rows["verification every 50 steps vs training"]
@@ -340,6 +345,7 @@ def test_seethrough_section_runs_every_walk_it_times(tmp_path: Path) -> None:
     assert all(row["ok"] is None for row in rows)  # measured, no targets
     memory = rows[3]
     assert memory["unit"] == "bytes"
-    assert memory["extra"]["forward without checkpointing saved MB"] > memory["extra"][
-        "checkpointed forward saved MB"
-    ]
+    assert (
+        memory["extra"]["forward without checkpointing saved MB"]
+        > memory["extra"]["checkpointed forward saved MB"]
+    )
