@@ -180,7 +180,8 @@ def keep_arguments(outputs: Sequence[torch.Tensor]) -> dict[Node, tuple[torch.Te
     segments from these inside :func:`arguments_kept`. Holding them costs what the
     checkpoints hold until backward (each segment's inputs), for as long as they are held.
     """
-    return {node: tuple(node.saved_tensors) for node in _reentrant_in(outputs)}  # type: ignore[attr-defined]
+    found = _reentrant_in(outputs)
+    return {node: tuple(node.saved_tensors) for node in found}  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
