@@ -1,0 +1,72 @@
+"""A Trainer run resumed from its checkpoint equals the uninterrupted one, bit for bit,
+whether the thaw came before or after the checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from safetensors.torch import load_file
+
+from isolate import IsolationSpec, Thaw
+from isolate.errors import CheckpointMismatchError
+from isolate.transformers import IsolationTrainerCallback
+from tests.transformers._models import Net, trainer
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+STEPS, SAVED = 6, 3
+
+
+def spec(at: int) -> IsolationSpec:
+    return IsolationSpec(freeze=["a"], thaw=[Thaw("a", step=at, lr=0.5)])
+
+
+def run(root: Path, at: int, resume: Path | None = None) -> Net:
+    model = Net()
+    t = trainer(root, model, steps=STEPS, save_steps=SAVED)
+    IsolationTrainerCallback(t, spec(at), verify_every_n_steps=1)
+    t.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return model
+
+
+@pytest.mark.parametrize("at", [2, 4], ids=["thawed-before-the-checkpoint", "thawed-after-it"])
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path: Path, at: int) -> None:
+    whole = run(tmp_path / "whole", at)
+    checkpoint = tmp_path / "whole" / f"checkpoint-{SAVED}"
+    stateful = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]
+    saved = stateful["IsolationTrainerCallback"]["attributes"]["isolation"]
+    thawed = [{"name": "a", "epoch": 0, "global_step": at}] if at < SAVED else []
+    assert saved["thawed"] == thawed
+    assert saved["frozen"] == ([] if at < SAVED else ["a.weight", "a.bias"])
+    resumed = run(tmp_path / "resumed", at, resume=checkpoint)
+    for key, value in whole.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    # Not vacuous: the thawed layer moved after the checkpoint.
+    at_checkpoint = load_file(str(checkpoint / "model.safetensors"))
+    assert not torch.equal(at_checkpoint["a.weight"], whole.a.weight)
+
+
+def test_a_resume_under_another_spec_is_refused(tmp_path: Path) -> None:
+    run(tmp_path / "whole", 2)
+    model = Net()
+    t = trainer(tmp_path / "other", model, steps=STEPS, save_steps=SAVED)
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["b"]), verify_every_n_steps=1)
+    with pytest.raises(CheckpointMismatchError, match=r"written under a different isolation spec"):
+        t.train(resume_from_checkpoint=str(tmp_path / "whole" / f"checkpoint-{SAVED}"))
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_resume_from_a_checkpoint_without_the_callback_is_refused(tmp_path: Path) -> None:
+    trainer(tmp_path / "plain", Net(), steps=SAVED, save_steps=SAVED).train()
+    model = Net()
+    t = trainer(tmp_path / "resumed", model, steps=STEPS, save_steps=SAVED)
+    IsolationTrainerCallback(t, spec(2), verify_every_n_steps=1)
+    with pytest.raises(CheckpointMismatchError, match=r"written without this callback"):
+        t.train(resume_from_checkpoint=str(tmp_path / "plain" / f"checkpoint-{SAVED}"))
+    assert all(p.requires_grad for p in model.parameters())
