@@ -123,7 +123,9 @@ def base_unchanged(model: nn.Module) -> bool:
 
 
 def adapters_checksum(model: nn.Module) -> float:
-    return float(sum(p.detach().double().sum() for n, p in model.named_parameters() if "lora_" in n))
+    return float(
+        sum(p.detach().double().sum() for n, p in model.named_parameters() if "lora_" in n)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

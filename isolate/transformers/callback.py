@@ -194,7 +194,9 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
         trainer.create_scheduler = create_scheduler_then_attach  # type: ignore[method-assign]
         trainer.compute_loss = compute_loss_then_keep  # type: ignore[method-assign]
 
-    def _apply(self, model: torch.nn.Module) -> None:
+    def _apply(self, model: torch.nn.Module | None) -> None:
+        if model is None:
+            raise SpecError(f"{_CALLER}: the Trainer has no model to apply the spec to")
         handle = apply_spec(self.spec, model, caller=_CALLER, warn=warn_user, drift=self.drift)
         if handle.contracts.losses:
             handle.restore()
@@ -206,7 +208,9 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
         self.handle, self.tally = handle, handle.tally
         cadence = self.cadence
         handle.check_every(
-            cadence.every, expected_unused=cadence.expected_unused, on_violation=cadence.on_violation
+            cadence.every,
+            expected_unused=cadence.expected_unused,
+            on_violation=cadence.on_violation,
         )
 
     def _attach(self, trainer: Trainer) -> None:

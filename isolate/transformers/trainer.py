@@ -87,14 +87,14 @@ def torch_optimizer(trainer: Trainer, caller: str) -> torch.optim.Optimizer:
     return optimizer
 
 
-def saved_state(stateful: Mapping[str, Any] | None, key: str) -> dict[str, Any] | None:
+def saved_state(stateful: object, key: str) -> dict[str, Any] | None:
     """The isolation state under ``key`` in a ``TrainerState.stateful_callbacks``: ``None``
     on a fresh run (the Trainer fills it from the callback itself, which has none yet).
 
     Raises:
         CheckpointMismatchError: a resume from a checkpoint written without the callback.
     """
-    entry = (stateful or {}).get(key)
+    entry = stateful.get(key) if isinstance(stateful, Mapping) else None
     if entry is None:
         raise CheckpointMismatchError(
             f"{key}: the checkpoint holds no {key} state in trainer_state.json "

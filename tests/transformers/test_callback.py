@@ -157,7 +157,9 @@ def test_a_step_whose_loss_bypasses_compute_loss_is_a_blind_spot(tmp_path: Path)
     t = trainer(tmp_path, model, steps=2)
     t.__class__ = NoComputeLoss
     IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1)
-    with pytest.raises(BlindSpotError, match=r"no loss went through Trainer\.compute_loss at step 0"):
+    with pytest.raises(
+        BlindSpotError, match=r"no loss went through Trainer\.compute_loss at step 0"
+    ):
         t.train()
     assert model.a.weight.requires_grad and untouched(t)
 

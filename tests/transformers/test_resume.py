@@ -20,31 +20,50 @@ from tests.transformers._models import Net, trainer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
-STEPS, SAVED = 6, 3
+STEPS, SAVED = 6, 3  # 4 steps an epoch
 
 
-def spec(at: int) -> IsolationSpec:
-    return IsolationSpec(freeze=["a"], thaw=[Thaw("a", step=at, lr=0.5)])
+def spec(**thaw: int) -> IsolationSpec:
+    return IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, **thaw)])
 
 
-def run(root: Path, at: int, resume: Path | None = None) -> Net:
+def run(root: Path, thaw: dict[str, int], *, saved: int = SAVED, resume: Path | None = None) -> Net:
     model = Net()
-    t = trainer(root, model, steps=STEPS, save_steps=SAVED)
-    IsolationTrainerCallback(t, spec(at), verify_every_n_steps=1)
+    t = trainer(root, model, steps=STEPS, save_steps=saved)
+    IsolationTrainerCallback(t, spec(**thaw), verify_every_n_steps=1)
     t.train(resume_from_checkpoint=None if resume is None else str(resume))
     return model
 
 
-@pytest.mark.parametrize("at", [2, 4], ids=["thawed-before-the-checkpoint", "thawed-after-it"])
-def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path: Path, at: int) -> None:
-    whole = run(tmp_path / "whole", at)
-    checkpoint = tmp_path / "whole" / f"checkpoint-{SAVED}"
+@pytest.mark.parametrize(
+    ("thaw", "saved", "thawed_at"),
+    [
+        ({"step": 2}, 3, (0, 2)),
+        ({"step": 4}, 3, (0, 4)),
+        ({"epoch": 1}, 3, (1, 4)),
+        ({"epoch": 1}, 4, (1, 4)),
+    ],
+    ids=[
+        "thawed-before-the-checkpoint",
+        "thawed-after-it",
+        "by-epoch-after-a-checkpoint-within-the-epoch-before",
+        "by-epoch-after-a-checkpoint-at-the-epochs-end",
+    ],
+)
+def test_a_resumed_run_equals_the_uninterrupted_one(
+    tmp_path: Path, thaw: dict[str, int], saved: int, thawed_at: tuple[int, int]
+) -> None:
+    whole = run(tmp_path / "whole", thaw, saved=saved)
+    checkpoint = tmp_path / "whole" / f"checkpoint-{saved}"
     stateful = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]
-    saved = stateful["IsolationTrainerCallback"]["attributes"]["isolation"]
-    thawed = [{"name": "a", "epoch": 0, "global_step": at}] if at < SAVED else []
-    assert saved["thawed"] == thawed
-    assert saved["frozen"] == ([] if at < SAVED else ["a.weight", "a.bias"])
-    resumed = run(tmp_path / "resumed", at, resume=checkpoint)
+    state = stateful["IsolationTrainerCallback"]["attributes"]["isolation"]
+    epoch, step = thawed_at
+    before = step < saved
+    assert state["thawed"] == (
+        [{"name": "a", "epoch": epoch, "global_step": step}] if before else []
+    )
+    assert state["frozen"] == ([] if before else ["a.weight", "a.bias"])
+    resumed = run(tmp_path / "resumed", thaw, saved=saved, resume=checkpoint)
     for key, value in whole.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
     # Not vacuous: the thawed layer moved after the checkpoint.
@@ -53,7 +72,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path: Path, at: int) -> 
 
 
 def test_a_resume_under_another_spec_is_refused(tmp_path: Path) -> None:
-    run(tmp_path / "whole", 2)
+    run(tmp_path / "whole", {"step": 2})
     model = Net()
     t = trainer(tmp_path / "other", model, steps=STEPS, save_steps=SAVED)
     IsolationTrainerCallback(t, IsolationSpec(freeze=["b"]), verify_every_n_steps=1)
@@ -66,7 +85,7 @@ def test_a_resume_from_a_checkpoint_without_the_callback_is_refused(tmp_path: Pa
     trainer(tmp_path / "plain", Net(), steps=SAVED, save_steps=SAVED).train()
     model = Net()
     t = trainer(tmp_path / "resumed", model, steps=STEPS, save_steps=SAVED)
-    IsolationTrainerCallback(t, spec(2), verify_every_n_steps=1)
+    IsolationTrainerCallback(t, spec(step=2), verify_every_n_steps=1)
     with pytest.raises(CheckpointMismatchError, match=r"written without this callback"):
         t.train(resume_from_checkpoint=str(tmp_path / "plain" / f"checkpoint-{SAVED}"))
     assert all(p.requires_grad for p in model.parameters())
