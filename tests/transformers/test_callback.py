@@ -58,14 +58,16 @@ def untouched(t: Trainer) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("thaw", "at"), [({"step": 2}, 2), ({"epoch": 1}, 4)], ids=["step-2", "epoch-1"]
+    ("thaw", "at", "accumulate"),
+    [({"step": 2}, 2, 1), ({"epoch": 1}, 4, 1), ({"step": 2}, 2, 2), ({"epoch": 1}, 2, 2)],
+    ids=["step-2", "epoch-1", "step-2-accumulating-2", "epoch-1-accumulating-2"],
 )
 def test_a_thaw_joins_trainers_optimizer_at_its_step_with_the_scheduled_lr(
-    tmp_path: Path, thaw: dict[str, int], at: int
+    tmp_path: Path, thaw: dict[str, int], at: int, accumulate: int
 ) -> None:
     model = Net()
     start = model.a.weight.detach().clone()
-    t = trainer(tmp_path, model, steps=6)
+    t = trainer(tmp_path, model, steps=6, gradient_accumulation_steps=accumulate)
     callback = IsolationTrainerCallback(
         t, IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, **thaw)]), verify_every_n_steps=1
     )
