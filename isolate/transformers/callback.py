@@ -17,7 +17,13 @@ from isolate.spec import IsolationSpec
 from isolate.spec.cadence import Cadence
 from isolate.spec.handle import IsolationHandle, Tally, warn_user
 from isolate.spec.isolation import apply as apply_spec
-from isolate.transformers.trainer import check_trainer, saved_state, torch_optimizer
+from isolate.transformers.trainer import (
+    check_evaluation,
+    check_trainer,
+    saved_state,
+    torch_optimizer,
+    warn_on_norm_clipping,
+)
 
 __all__ = ["IsolationTrainerCallback"]
 
@@ -40,8 +46,8 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
     loss ``compute_loss`` returns is kept for the reach check (Trainer has no event before
     backward; ``compute_loss`` returns just before it), ``on_optimizer_step`` runs the checks
     due (every ``verify_every_n_steps`` steps, and reach on a thaw's first step), and
-    ``on_train_end`` checks drift once more and undoes everything. On an error the model is
-    restored too.
+    ``on_evaluate`` feeds ``monitor`` thaws, and ``on_train_end`` checks drift once more and
+    undoes everything. On an error the model is restored too.
 
     **Checkpoints.** The handle's state goes into ``trainer_state.json``
     (``stateful_callbacks``, as for any ``ExportableState``). On
@@ -65,7 +71,8 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
         IsolationTypeError: ``trainer`` is not a ``transformers.Trainer``.
         UnsupportedStrategyError: DeepSpeed, FSDP, several processes or GPUs.
         SpecError: an option is wrong, the spec protects named losses (``compute_loss`` gives
-            one loss), the Trainer has an ``IsolationTrainerCallback`` already, or
+            one loss), a ``monitor`` thaw waits for a Trainer that never evaluates, the Trainer
+            has an ``IsolationTrainerCallback`` already, or
             ``restore_callback_states_from_checkpoint=True``. (In ``train()``) the spec does
             not fit the model or the optimizer. Nothing is changed then.
         CheckpointMismatchError: (in ``train()``) resuming from a checkpoint written without
@@ -124,6 +131,7 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
         if drift not in ("fingerprint", "copy"):
             raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
         self.trainer = check_trainer(trainer, _CALLER)
+        check_evaluation(trainer, spec, _CALLER)
         if any(isinstance(c, IsolationTrainerCallback) for c in trainer.callback_handler.callbacks):
             raise SpecError(
                 f"{_CALLER}: the Trainer has an {_CALLER} already; give one spec per Trainer "
@@ -138,6 +146,8 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
         self._epoch: int | None = None
         self._stepping = False  # between on_step_begin and on_optimizer_step
         self._losses = 0  # losses seen by compute_loss in this step
+        self._evaluations = 0  # evaluations seen in this train() (monitor thaws need them)
+        warn_on_norm_clipping(trainer, spec.detach)
         trainer.add_callback(self)
         trainer.train = self._wrap_train(trainer.train)  # type: ignore[method-assign]
 
@@ -256,7 +266,7 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
                 f"create_scheduler, so the optimizer was never attached; keep create_scheduler "
                 f"in the training path"
             )
-        self._epoch = None
+        self._epoch, self._evaluations = None, 0
 
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -298,12 +308,33 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
             )
         handle.loop.end_step()
 
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Give the evaluation's metrics to the ``monitor`` thaws (``Thaw(monitor="eval_loss")``:
+        the Trainer prefixes them with ``eval_``); a group due thaws at the next step."""
+        if self.handle is None or not any(t.monitor is not None for t in self.spec.thaw):
+            return
+        self._evaluations += 1
+        for name in self.handle.observe(kwargs["metrics"]):
+            logger.info(f"{_CALLER}: {name!r} is due: its metric stopped improving")
+
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """A last check of params, drift and contracts, then undo everything."""
+        """A last check of params, drift and contracts, then undo everything; a warning if a
+        ``monitor`` thaw never saw an evaluation."""
+        handle = self._handle()
         try:
-            self._handle().loop.finish()
+            handle.loop.finish()
+            waiting = handle.watching
+            if waiting is not None and not self._evaluations:
+                warn_user(
+                    f"{_CALLER}: thaw group {waiting!r} waited for "
+                    f"{handle.plan.group(waiting).thaw.monitor!r} to stop improving, but no "
+                    f"evaluation ran during this train(), so it never thawed; evaluate more "
+                    f"often (eval_steps) or give it epoch= or step="
+                )
         finally:
             self._restore()
 

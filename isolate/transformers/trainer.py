@@ -15,8 +15,16 @@ from isolate.errors import (
     SpecError,
     UnsupportedStrategyError,
 )
+from isolate.spec import IsolationSpec
+from isolate.spec.handle import warn_user
 
-__all__ = ["check_trainer", "saved_state", "torch_optimizer"]
+__all__ = [
+    "check_evaluation",
+    "check_trainer",
+    "saved_state",
+    "torch_optimizer",
+    "warn_on_norm_clipping",
+]
 
 
 def check_trainer(trainer: object, caller: str) -> Trainer:
@@ -59,6 +67,36 @@ def check_trainer(trainer: object, caller: str) -> Trainer:
             f"TrainingArguments(restore_callback_states_from_checkpoint=False)"
         )
     return trainer
+
+
+def check_evaluation(trainer: Trainer, spec: IsolationSpec, caller: str) -> None:
+    """Refuse ``monitor`` thaws in a Trainer that never evaluates: they would never thaw.
+
+    Raises:
+        SpecError: a thaw watches a metric and ``eval_strategy="no"``.
+    """
+    watching = {str(t.name): str(t.monitor) for t in spec.thaw if t.monitor is not None}
+    if watching and str(getattr(trainer.args.eval_strategy, "value", "no")) == "no":
+        raise SpecError(
+            f"{caller}: thaw groups {sorted(watching)} wait for "
+            f"{sorted(set(watching.values()))} to stop improving, but this Trainer never "
+            f"evaluates (eval_strategy='no'), so they would never thaw; set "
+            f"TrainingArguments(eval_strategy='steps') and an eval_dataset, or give them "
+            f"epoch= or step="
+        )
+
+
+def warn_on_norm_clipping(trainer: Trainer, detach: tuple[str, ...]) -> None:
+    """Warn when the Trainer clips gradients by their global norm across detached branches:
+    the branches' gradients change the factor applied to every other parameter."""
+    if detach and trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
+        warn_user(
+            f"IsolationTrainerCallback: max_grad_norm={trainer.args.max_grad_norm} clips by "
+            f"the global norm, which includes the gradients of the detached branches "
+            f"{list(detach)}: their gradient changes the factor applied to every other "
+            f"parameter, so isolation does not hold for the update. Set "
+            f"TrainingArguments(max_grad_norm=0) and clip per group, if at all"
+        )
 
 
 def torch_optimizer(trainer: Trainer, caller: str) -> torch.optim.Optimizer:

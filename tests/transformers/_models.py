@@ -38,10 +38,17 @@ class Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 
 def trainer(
-    root: Path, model: nn.Module, *, steps: int = 4, save_steps: int = 0, **kwargs: Any
+    root: Path,
+    model: nn.Module,
+    *,
+    steps: int = 4,
+    save_steps: int = 0,
+    evaluate: bool = False,
+    **kwargs: Any,
 ) -> Trainer:
     """A CPU Trainer of ``steps`` optimizer steps, AdamW with weight decay and a linear
-    schedule, saving every ``save_steps`` steps (``0``: never)."""
+    schedule, saving every ``save_steps`` steps (``0``: never), evaluating after every step
+    with ``evaluate``."""
     args = TrainingArguments(
         output_dir=str(root),
         use_cpu=True,
@@ -56,6 +63,10 @@ def trainer(
         logging_strategy="no",
         disable_tqdm=True,
         seed=0,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=1,
         **kwargs,
     )
-    return Trainer(model=model, args=args, train_dataset=Data())
+    return Trainer(
+        model=model, args=args, train_dataset=Data(), eval_dataset=Data() if evaluate else None
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from isolate.errors import (
     CutOffError,
     DriftError,
     IsolationTypeError,
+    IsolationWarning,
     SelectorError,
     SpecError,
     UnsupportedStrategyError,
@@ -227,3 +229,34 @@ def test_a_removed_callback_leaves_train_alone(tmp_path: Path) -> None:
     before = model.a.weight.detach().clone()
     t.train()
     assert not torch.equal(model.a.weight, before)  # trained, not frozen
+
+
+def test_a_monitor_thaw_follows_the_trainers_evaluations(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=5, evaluate=True)
+    # eval_loss falls, so in mode "max" it stops improving at the second evaluation (after
+    # step 2), and the group thaws at the next step.
+    thaw = Thaw("a", monitor="eval_loss", mode="max", patience=1, lr=0.5)
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]), verify_every_n_steps=1)
+    record = Record(model)
+    t.add_callback(record)
+    t.train()
+    assert [s["trainable"] for s in record.steps] == [False, False, True, True, True]
+    assert [s["groups"] for s in record.steps][1:3] == [[1, 1], [1, 1, 2]]
+
+
+def test_a_monitor_thaw_in_a_trainer_that_never_evaluates_is_refused(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), steps=1)
+    thaw = Thaw("a", monitor="eval_loss")
+    with pytest.raises(SpecError, match=r"never evaluates \(eval_strategy='no'\)"):
+        IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
+
+
+def test_global_norm_clipping_across_a_detached_branch_is_warned(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), steps=1)
+    with pytest.warns(IsolationWarning, match=r"max_grad_norm=1\.0 clips by the global norm"):
+        IsolationTrainerCallback(t, IsolationSpec(detach=["b"]))
+    t = trainer(tmp_path, Net(), steps=1, max_grad_norm=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IsolationWarning)
+        IsolationTrainerCallback(t, IsolationSpec(detach=["b"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,13 +24,13 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings(
 STEPS, SAVED = 6, 3  # 4 steps an epoch
 
 
-def spec(**thaw: int) -> IsolationSpec:
+def spec(**thaw: Any) -> IsolationSpec:
     return IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, **thaw)])
 
 
-def run(root: Path, thaw: dict[str, int], *, saved: int = SAVED, resume: Path | None = None) -> Net:
+def run(root: Path, thaw: dict[str, Any], *, saved: int = SAVED, resume: Path | None = None) -> Net:
     model = Net()
-    t = trainer(root, model, steps=STEPS, save_steps=saved)
+    t = trainer(root, model, steps=STEPS, save_steps=saved, evaluate="monitor" in thaw)
     IsolationTrainerCallback(t, spec(**thaw), verify_every_n_steps=1)
     t.train(resume_from_checkpoint=None if resume is None else str(resume))
     return model
@@ -42,16 +43,19 @@ def run(root: Path, thaw: dict[str, int], *, saved: int = SAVED, resume: Path | 
         ({"step": 4}, 3, (0, 4)),
         ({"epoch": 1}, 3, (1, 4)),
         ({"epoch": 1}, 4, (1, 4)),
+        # eval_loss falls: in mode "max" the 3rd evaluation (after step 3) makes it due.
+        ({"monitor": "eval_loss", "mode": "max", "patience": 2}, 2, (0, 3)),
     ],
     ids=[
         "thawed-before-the-checkpoint",
         "thawed-after-it",
         "by-epoch-after-a-checkpoint-within-the-epoch-before",
         "by-epoch-after-a-checkpoint-at-the-epochs-end",
+        "by-monitor-after-a-checkpoint-half-way-through-its-patience",
     ],
 )
 def test_a_resumed_run_equals_the_uninterrupted_one(
-    tmp_path: Path, thaw: dict[str, int], saved: int, thawed_at: tuple[int, int]
+    tmp_path: Path, thaw: dict[str, Any], saved: int, thawed_at: tuple[int, int]
 ) -> None:
     whole = run(tmp_path / "whole", thaw, saved=saved)
     checkpoint = tmp_path / "whole" / f"checkpoint-{saved}"
