@@ -35,3 +35,22 @@ def test_the_example_resumed_equals_the_uninterrupted_run(tmp_path: Path) -> Non
     assert trainer_peft.adapters_checksum(resumed) == trainer_peft.adapters_checksum(whole)
     for (name, p), q in zip(whole.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_the_spec_peft_derives_holds_under_the_trainer(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from isolate.peft import spec_for
+    from isolate.transformers import IsolationTrainerCallback
+
+    model = trainer_peft.lora_model()
+    args = TrainingArguments(
+        str(tmp_path), max_steps=2, use_cpu=True, report_to=[], save_strategy="no"
+    )
+    t = Trainer(model=model, args=args, train_dataset=trainer_peft.Tokens())
+    callback = IsolationTrainerCallback(t, spec_for(model), verify_every_n_steps=1)
+    t.train()
+    tally = str(callback.tally)
+    assert "reach (2x): the loss backpropagated reached each of 8 trainable parameters" in tally
+    assert "contract 'peft:default' held" in tally
+    assert trainer_peft.base_unchanged(model)
