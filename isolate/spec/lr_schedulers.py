@@ -46,8 +46,31 @@ _MOMENTUM_KEYS = ("max_momentum", "base_momentum")
 
 
 def of(opt: torch.optim.Optimizer, schedulers: Sequence[Any]) -> list[Any]:
-    """The schedulers among ``schedulers`` that drive ``opt``."""
-    return [s for s in schedulers if getattr(s, "optimizer", None) is opt]
+    """The schedulers among ``schedulers`` that drive ``opt``: built on it, or on a wrapper
+    that holds it in ``.optimizer`` and shares its param groups (accelerate's
+    ``AcceleratedOptimizer``, which transformers' ``Trainer`` builds its scheduler on).
+
+    >>> model = torch.nn.Linear(2, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> class Wrapper(torch.optim.Optimizer):  # no super().__init__, as accelerate's
+    ...     def __init__(self, optimizer):
+    ...         self.optimizer = optimizer
+    ...         self.param_groups = optimizer.param_groups
+    >>> sched = lrs.StepLR(Wrapper(opt), step_size=1)
+    >>> of(opt, [sched]) == [sched]
+    True
+    """
+    return [s for s in schedulers if _drives(getattr(s, "optimizer", None), opt)]
+
+
+def _drives(held: object, opt: torch.optim.Optimizer) -> bool:
+    seen: set[int] = set()
+    while held is not None and id(held) not in seen:
+        if held is opt:
+            return True
+        seen.add(id(held))
+        held = getattr(held, "optimizer", None)
+    return False
 
 
 def _children(scheduler: Any) -> list[Any]:

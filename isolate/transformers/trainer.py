@@ -1,0 +1,150 @@
+"""What the Trainer adapter needs of a ``transformers.Trainer``: a setup it supports, the
+optimizer it built, and the isolation state of the checkpoint it resumes from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from isolate.errors import (
+    CheckpointMismatchError,
+    IsolationTypeError,
+    SpecError,
+    UnsupportedStrategyError,
+)
+from isolate.spec import IsolationSpec
+from isolate.spec.handle import warn_user
+
+__all__ = [
+    "check_evaluation",
+    "check_trainer",
+    "saved_state",
+    "torch_optimizer",
+    "warn_on_norm_clipping",
+]
+
+
+def check_trainer(trainer: object, caller: str) -> Trainer:
+    """``trainer``, if the adapter can hold isolation under its setup; else the error naming
+    the setting and the fix.
+
+    Raises:
+        IsolationTypeError: ``trainer`` is not a ``transformers.Trainer``.
+        UnsupportedStrategyError: DeepSpeed, FSDP, several processes or several GPUs.
+        SpecError: ``restore_callback_states_from_checkpoint=True``.
+    """
+    if not isinstance(trainer, Trainer):
+        raise IsolationTypeError(
+            f"{caller}: expected a transformers.Trainer, got {type(trainer).__qualname__}"
+        )
+    args = trainer.args
+    unsupported = [
+        ("DeepSpeed", trainer.is_deepspeed_enabled, "it builds and shards its own optimizer"),
+        ("FSDP", trainer.is_fsdp_enabled or trainer.is_fsdp_xla_enabled, "it shards parameters"),
+        (
+            f"{args.world_size} processes",
+            args.world_size > 1,
+            "DDP synchronises only the parameters that required grad when it was built, and a "
+            "thaw cannot rebuild it inside Trainer",
+        ),
+        (f"{args.n_gpu} GPUs", args.n_gpu > 1, "nn.DataParallel replicates the model each step"),
+    ]
+    for what, used, why in unsupported:
+        if used:
+            raise UnsupportedStrategyError(
+                f"{caller}: training with {what} is not supported ({why}); train on one "
+                f"process and one device, or use isolate.lightning.IsolationCallback, which "
+                f"supports DDP and FSDP"
+            )
+    if args.restore_callback_states_from_checkpoint:
+        raise SpecError(
+            f"{caller}: restore_callback_states_from_checkpoint=True would replace this "
+            f"callback by a new instance built from the checkpoint, without its Trainer; it "
+            f"restores its own state from the checkpoint. Set "
+            f"TrainingArguments(restore_callback_states_from_checkpoint=False)"
+        )
+    return trainer
+
+
+def check_evaluation(trainer: Trainer, spec: IsolationSpec, caller: str) -> None:
+    """Refuse ``monitor`` thaws in a Trainer that never evaluates: they would never thaw.
+
+    Raises:
+        SpecError: a thaw watches a metric and ``eval_strategy="no"``.
+    """
+    watching = {str(t.name): str(t.monitor) for t in spec.thaw if t.monitor is not None}
+    if watching and str(getattr(trainer.args.eval_strategy, "value", "no")) == "no":
+        raise SpecError(
+            f"{caller}: thaw groups {sorted(watching)} wait for "
+            f"{sorted(set(watching.values()))} to stop improving, but this Trainer never "
+            f"evaluates (eval_strategy='no'), so they would never thaw; set "
+            f"TrainingArguments(eval_strategy='steps') and an eval_dataset, or give them "
+            f"epoch= or step="
+        )
+
+
+def warn_on_norm_clipping(trainer: Trainer, detach: tuple[str, ...]) -> None:
+    """Warn when the Trainer clips gradients by their global norm across detached branches:
+    the branches' gradients change the factor applied to every other parameter."""
+    if detach and trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
+        warn_user(
+            f"IsolationTrainerCallback: max_grad_norm={trainer.args.max_grad_norm} clips by "
+            f"the global norm, which includes the gradients of the detached branches "
+            f"{list(detach)}: their gradient changes the factor applied to every other "
+            f"parameter, so isolation does not hold for the update. Set "
+            f"TrainingArguments(max_grad_norm=0) and clip per group, if at all"
+        )
+
+
+def torch_optimizer(trainer: Trainer, caller: str) -> torch.optim.Optimizer:
+    """The torch optimizer the Trainer steps, out of accelerate's ``AcceleratedOptimizer``
+    (which shares its param groups but not its step hooks).
+
+    Raises:
+        SpecError: the Trainer holds no optimizer.
+        IsolationTypeError: it holds something else than a torch optimizer.
+    """
+    optimizer: object = trainer.optimizer
+    if optimizer is None:
+        raise SpecError(
+            f"{caller}: the Trainer built no optimizer, so thawed groups have nowhere to go "
+            f"and frozen parameters cannot be checked out of it; let Trainer build it "
+            f"(create_optimizer) or pass optimizers=(optimizer, scheduler)"
+        )
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise IsolationTypeError(
+            f"{caller}: the Trainer's optimizer is a {type(optimizer).__name__}, not a "
+            f"torch.optim.Optimizer; use a torch optimizer (TrainingArguments(optim=...))"
+        )
+    return optimizer
+
+
+def saved_state(stateful: object, key: str) -> dict[str, Any] | None:
+    """The isolation state under ``key`` in a ``TrainerState.stateful_callbacks``: ``None``
+    on a fresh run (the Trainer fills it from the callback itself, which has none yet).
+
+    Raises:
+        CheckpointMismatchError: a resume from a checkpoint written without the callback.
+    """
+    entry = stateful.get(key) if isinstance(stateful, Mapping) else None
+    if entry is None:
+        raise CheckpointMismatchError(
+            f"{key}: the checkpoint holds no {key} state in trainer_state.json "
+            f"(stateful_callbacks): it was written without this callback, so it is unknown "
+            f"what was frozen or thawed. To start a new isolation schedule from its weights, "
+            f"load them into the model and call train() without resume_from_checkpoint"
+        )
+    attributes = entry.get("attributes") if isinstance(entry, Mapping) else None
+    if not isinstance(attributes, Mapping) or "isolation" not in attributes:
+        raise CheckpointMismatchError(
+            f"{key}: the checkpoint's {key} state is malformed: expected "
+            f"{{'args': {{}}, 'attributes': {{'isolation': ...}}}}, got {entry!r}"
+        )
+    state = attributes["isolation"]
+    return None if state is None else dict(state)

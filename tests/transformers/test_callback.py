@@ -1,0 +1,262 @@
+"""IsolationTrainerCallback in a real, tiny transformers Trainer: apply, thaw, check, undo."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from isolate import IsolationSpec, Thaw
+from isolate.errors import (
+    BlindSpotError,
+    CutOffError,
+    DriftError,
+    IsolationTypeError,
+    IsolationWarning,
+    SelectorError,
+    SpecError,
+    UnsupportedStrategyError,
+)
+from isolate.transformers import IsolationTrainerCallback
+from isolate.transformers.trainer import torch_optimizer
+from tests.transformers._models import Net, trainer
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
+
+
+class Record(TrainerCallback):
+    """What each optimizer step sees just before ``optimizer.step()``."""
+
+    def __init__(self, model: Net) -> None:
+        self.model = model
+        self.steps: list[dict[str, Any]] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        groups = kwargs["optimizer"].param_groups
+        weight = self.model.a.weight
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "trainable": weight.requires_grad,
+                "grad": None if weight.grad is None else weight.grad.abs().sum().item(),
+                "groups": [len(g["params"]) for g in groups],
+                "lr": groups[-1]["lr"],
+                "weight": weight.detach().clone(),
+            }
+        )
+
+
+def untouched(t: Trainer) -> bool:
+    """No method of the Trainer is left wrapped but ``train``."""
+    return not {"create_optimizer", "create_scheduler", "compute_loss"} & set(t.__dict__)
+
+
+@pytest.mark.parametrize(
+    ("thaw", "at", "accumulate"),
+    [({"step": 2}, 2, 1), ({"epoch": 1}, 4, 1), ({"step": 2}, 2, 2), ({"epoch": 1}, 2, 2)],
+    ids=["step-2", "epoch-1", "step-2-accumulating-2", "epoch-1-accumulating-2"],
+)
+def test_a_thaw_joins_trainers_optimizer_at_its_step_with_the_scheduled_lr(
+    tmp_path: Path, thaw: dict[str, int], at: int, accumulate: int
+) -> None:
+    model = Net()
+    start = model.a.weight.detach().clone()
+    t = trainer(tmp_path, model, steps=6, gradient_accumulation_steps=accumulate)
+    callback = IsolationTrainerCallback(
+        t, IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, **thaw)]), verify_every_n_steps=1
+    )
+    record = Record(model)
+    t.add_callback(record)
+    t.train()
+    for seen in record.steps:
+        before = seen["step"] < at
+        assert seen["trainable"] is not before, seen
+        assert (seen["grad"] is None) is before, seen  # frozen: no gradient at all
+        assert seen["groups"] == ([1, 1] if before else [1, 1, 2]), seen  # b.weight | b.bias | a
+        assert torch.equal(seen["weight"], start) is (seen["step"] <= at), seen
+    # The linear schedule (6 steps, from 1 down to 0) scales the group's own lr of 0.5.
+    lrs = [s["lr"] for s in record.steps[at:]]
+    assert lrs == pytest.approx([0.5 * (6 - s) / 6 for s in range(at, 6)])
+    assert record.steps[at]["grad"] > 0
+    assert callback.handle is None and model.a.weight.requires_grad  # restored after train()
+    assert "reach" in str(callback.tally) and untouched(t)
+
+
+def test_frozen_parameters_never_enter_the_optimizer_trainer_builds(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=1)
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1)
+    record = Record(model)
+    t.add_callback(record)
+    t.train()
+    held = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+    assert held == {id(model.b.weight), id(model.b.bias)}
+    assert record.steps[0]["trainable"] is False
+
+
+class Tamper(TrainerCallback):
+    """Writes into the frozen ``a.weight`` after step ``at``."""
+
+    def __init__(self, model: Net, at: int) -> None:
+        self.model, self.at = model, at
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.at:
+            with torch.no_grad():
+                self.model.a.weight[0, 0] += 1.0
+
+
+def test_a_frozen_weight_changed_during_training_raises_by_name(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=4)
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1)
+    t.add_callback(Tamper(model, at=2))
+    with pytest.raises(DriftError, match=r"^IsolationTrainerCallback.*'a\.weight'") as error:
+        t.train()
+    assert "at step 2" in str(error.value)
+    # The model is as it was before train(): nothing frozen, nothing wrapped.
+    assert all(p.requires_grad for p in model.parameters()) and untouched(t)
+
+
+def test_a_trainable_layer_no_loss_reaches_raises_by_name(tmp_path: Path) -> None:
+    model = Net(unused=True)
+    t = trainer(tmp_path, model, steps=2)
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1)
+    with pytest.raises(CutOffError, match=r"  c\.weight, c\.bias: no path from any loss") as error:
+        t.train()
+    assert "step 0" in str(error.value)
+    assert all(p.requires_grad for p in model.parameters()) and untouched(t)
+
+
+def test_expected_unused_lets_that_layer_go_unreached(tmp_path: Path) -> None:
+    model = Net(unused=True)
+    t = trainer(tmp_path, model, steps=2)
+    callback = IsolationTrainerCallback(
+        t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1, expected_unused=["c"]
+    )
+    t.train()
+    assert "reach (2x)" in str(callback.tally)
+
+
+class NoComputeLoss(Trainer):
+    """A training step that computes its loss without ``compute_loss``."""
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        model.train()
+        loss = model(**inputs)["loss"]
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+def test_a_step_whose_loss_bypasses_compute_loss_is_a_blind_spot(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=2)
+    t.__class__ = NoComputeLoss
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1)
+    with pytest.raises(
+        BlindSpotError, match=r"no loss went through Trainer\.compute_loss at step 0"
+    ):
+        t.train()
+    assert model.a.weight.requires_grad and untouched(t)
+
+
+def test_a_selector_matching_nothing_changes_nothing(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=2)
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["encoder"]))
+    with pytest.raises(SelectorError, match=r"'encoder'"):
+        t.train()
+    assert all(p.requires_grad for p in model.parameters()) and untouched(t)
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "says"),
+    [
+        ("is_deepspeed_enabled", UnsupportedStrategyError, r"training with DeepSpeed is not"),
+        ("is_fsdp_enabled", UnsupportedStrategyError, r"training with FSDP is not supported"),
+    ],
+)
+def test_an_unsupported_trainer_is_refused_before_anything_changes(
+    tmp_path: Path, setting: str, error: type[Exception], says: str
+) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=1)
+    callbacks = list(t.callback_handler.callbacks)
+    setattr(t, setting, True)
+    with pytest.raises(error, match=rf"^IsolationTrainerCallback: {says}"):
+        IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]))
+    assert t.callback_handler.callbacks == callbacks and "train" not in t.__dict__
+
+
+def test_bad_arguments_are_refused_naming_the_fix(tmp_path: Path) -> None:
+    model = Net()
+    spec = IsolationSpec(freeze=["a"])
+    with pytest.raises(IsolationTypeError, match=r"expected a transformers\.Trainer, got Net"):
+        IsolationTrainerCallback(model, spec)  # type: ignore[arg-type]
+    t = trainer(tmp_path, model, steps=1, restore_callback_states_from_checkpoint=True)
+    with pytest.raises(SpecError, match=r"restore_callback_states_from_checkpoint=False"):
+        IsolationTrainerCallback(t, spec)
+    t = trainer(tmp_path, model, steps=1)
+    with pytest.raises(SpecError, match=r"protect names the losses \['probe'\]"):
+        IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], protect={"probe": ["a"]}))
+    with pytest.raises(SpecError, match=r"verify_every_n_steps must be an integer >= 0"):
+        IsolationTrainerCallback(t, spec, verify_every_n_steps=-1)
+    assert "train" not in t.__dict__ and model.a.weight.requires_grad
+
+
+def test_the_optimizer_is_the_torch_one_inside_accelerate(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), steps=1)
+    with pytest.raises(SpecError, match=r"the Trainer built no optimizer"):
+        torch_optimizer(t, "caller")
+    t.optimizer = object()  # type: ignore[assignment]
+    with pytest.raises(IsolationTypeError, match=r"optimizer is a object, not a torch"):
+        torch_optimizer(t, "caller")
+
+
+def test_a_removed_callback_leaves_train_alone(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=1)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]))
+    t.remove_callback(callback)
+    before = model.a.weight.detach().clone()
+    t.train()
+    assert not torch.equal(model.a.weight, before)  # trained, not frozen
+
+
+def test_a_monitor_thaw_follows_the_trainers_evaluations(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=5, evaluate=True)
+    # eval_loss falls, so in mode "max" it stops improving at the second evaluation (after
+    # step 2), and the group thaws at the next step.
+    thaw = Thaw("a", monitor="eval_loss", mode="max", patience=1, lr=0.5)
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]), verify_every_n_steps=1)
+    record = Record(model)
+    t.add_callback(record)
+    t.train()
+    assert [s["trainable"] for s in record.steps] == [False, False, True, True, True]
+    assert [s["groups"] for s in record.steps][1:3] == [[1, 1], [1, 1, 2]]
+
+
+def test_a_monitor_thaw_in_a_trainer_that_never_evaluates_is_refused(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), steps=1)
+    thaw = Thaw("a", monitor="eval_loss")
+    with pytest.raises(SpecError, match=r"never evaluates \(eval_strategy='no'\)"):
+        IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
+
+
+def test_global_norm_clipping_across_a_detached_branch_is_warned(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), steps=1)
+    with pytest.warns(IsolationWarning, match=r"max_grad_norm=1\.0 clips by the global norm"):
+        IsolationTrainerCallback(t, IsolationSpec(detach=["b"]))
+    t = trainer(tmp_path, Net(), steps=1, max_grad_norm=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IsolationWarning)
+        IsolationTrainerCallback(t, IsolationSpec(detach=["b"]))
