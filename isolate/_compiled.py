@@ -11,11 +11,19 @@ eager answer. (A compiled backward materialises a zero gradient for an output th
 not use, and writes zeros to the ``.grad`` of what only that output reaches, where eager
 autograd writes nothing.)
 
+A region is compiled for the ``requires_grad`` of its inputs at the time. Dynamo's guards
+normally see a flipped flag and compile again, but a ``guard_filter_fn`` that drops the guards
+of nn modules (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``) lets the old region run:
+after a thaw its backward has no gradient for the thawed parameters. The walk names such a
+region (:class:`~isolate.errors.StaleCompileError`), and :func:`forget_compiled` makes dynamo
+compile every region again.
+
 Nothing here imports ``torch._dynamo``: a compiled node carries everything that is read.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import deque
 from collections.abc import Collection, Sequence
@@ -25,9 +33,9 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
-from isolate.errors import BlindSpotError
+from isolate.errors import BlindSpotError, StaleCompileError
 
-__all__ = ["compiled_in", "is_compiled", "live_edges"]
+__all__ = ["compiled_in", "forget_compiled", "is_compiled", "live_edges"]
 
 _COMPILED = "CompiledFunctionBackward"
 # The output kinds whose gradients reach backward as tangents (AOTAutograd's backward
@@ -209,6 +217,7 @@ def live_edges(node: Node, outputs: Collection[int], caller: str) -> list[tuple[
             f"torch.compile (same forward, same answer), or compile with the 'inductor' or "
             f"'aot_eager' backend"
         )
+    _refuse_stale(node, needs, caller)
     reached = 0
     for k, slot in enumerate(region.slots):
         if slot in outputs:
@@ -223,3 +232,67 @@ def live_edges(node: Node, outputs: Collection[int], caller: str) -> list[tuple[
         if mask is not None and (mask & reached or (mask == 0 and outputs)):
             live.append(edge)
     return live
+
+
+def _refuse_stale(node: Node, needs: Sequence[bool], caller: str) -> None:
+    """Raise when the region runs with inputs that require grad now but did not when it was
+    compiled: its backward graph has no output for them, whatever the loss reaches.
+
+    Raises:
+        StaleCompileError: such inputs exist, named by the tensors their edges accumulate into.
+        BlindSpotError: the region's record of its inputs does not line up with the node.
+    """
+    forward_cls = node._forward_cls  # type: ignore[attr-defined]
+    inputs = getattr(forward_cls.metadata, "input_info", None)
+    if inputs is None or len(inputs) != len(needs):
+        raise BlindSpotError(
+            f"{caller}: cannot tell which inputs of {_region_name(forward_cls)} required grad "
+            f"when it was compiled (torch {torch.__version__}). Fix: run the audit on the "
+            f"model before torch.compile (same forward, same answer)"
+        )
+    edges = iter(edge for edge in node.next_functions if edge[0] is not None)
+    stale: list[torch.Tensor] = []
+    for needed, info in zip(needs, inputs, strict=True):
+        if not needed:
+            continue
+        child = next(edges)[0]
+        if not info.requires_grad:
+            variable = getattr(child, "variable", None)
+            if isinstance(variable, torch.Tensor):
+                stale.append(variable)
+    if stale:
+        shapes = ", ".join(str(tuple(t.shape)) for t in stale)
+        error = StaleCompileError(
+            f"{caller}: {_region_name(forward_cls)} was compiled while {len(stale)} of its "
+            f"inputs (shapes {shapes}) did not require grad, and runs now that they do: its "
+            f"backward has no gradient for them, so they never learn (torch.compile reused it: "
+            f"a guard_filter_fn that skips nn-module guards hides requires_grad from dynamo). "
+            f"Fix: thaw through the spec (IsolationSpec thaws make dynamo compile again), call "
+            f"torch._dynamo.reset_code_caches() after flipping flags by hand, or compile "
+            f"without the guard filter"
+        )
+        error.tensors = tuple(stale)
+        raise error
+
+
+def forget_compiled() -> int:
+    """Make dynamo compile every region again at its next call; return how many code objects
+    it had compiled (0 when nothing was compiled: torch's compiler is not even imported).
+
+    A flag flip that dynamo's guards do not see (see the module's docstring) would otherwise
+    leave regions compiled for the old flags running. Dropping them costs one compile each;
+    the regions that read a flipped parameter would compile again anyway under torch's
+    default guards.
+
+    >>> forget_compiled() >= 0
+    True
+    """
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo import convert_frame, reset_code_caches
+
+    compiled = [ref() for ref in convert_frame.input_codes.seen]
+    count = sum(code is not None for code in compiled)
+    if count:
+        reset_code_caches()
+    return count

@@ -33,6 +33,7 @@ __all__ = [
     "SelectorError",
     "ShardedGraphError",
     "SpecError",
+    "StaleCompileError",
     "UnsupportedStrategyError",
     "WrappingError",
 ]
@@ -90,6 +91,17 @@ class ReplacedParameterError(IsolationError, AssertionError):
 
 class CutOffError(IsolationError, AssertionError):
     """Trainable parameters get no gradient from any loss: they will never learn."""
+
+
+class StaleCompileError(CutOffError):
+    """A ``torch.compile`` region compiled while some of its inputs did not require grad runs
+    after they were thawed: its backward has no gradient for them, so they never learn.
+
+    Attributes:
+        tensors: the inputs (parameters) the region's backward has no gradient for.
+    """
+
+    tensors: tuple[object, ...] = ()
 
 
 class ContractError(IsolationError, AssertionError):

@@ -29,6 +29,7 @@ from isolate.errors import (
     IsolationError,
     IsolationTypeError,
     SpecError,
+    StaleCompileError,
 )
 from isolate.exposure import optimizer_exposure
 from isolate.reachability import assert_isolated
@@ -209,7 +210,12 @@ def check_reach(
 ) -> tuple[int, list[IsolationError]]:
     """Every trainable parameter must be reached by ``total`` (or be expected unused);
     return how many trainable parameter names were checked, and the violations."""
-    result = cut_off_parameters(total, model, expected_unused=expected_unused)
+    try:
+        result = cut_off_parameters(total, model, expected_unused=expected_unused)
+    except StaleCompileError as error:  # a thaw the compiled forward does not see
+        names = Names.of(model)
+        stale = [names.name(t) for t in error.tensors if isinstance(t, torch.Tensor)]
+        return 0, [StaleCompileError(f"{caller}: {when}, {shown(stale)} get no gradient: {error}")]
     found: list[IsolationError] = []
     if result.parameters:
         found.append(

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from isolate._compiled import forget_compiled
 from isolate._sharding import settle
 from isolate._text import shown
 from isolate.errors import CheckpointMismatchError, SpecError
@@ -82,6 +83,9 @@ class Thaws:
             True,
             g.thaw.bn,
         )
+        # Dynamo's guards may not see the flags (a guard filter that skips nn modules): a
+        # region compiled before the thaw would run on with no gradient for the group.
+        forget_compiled()
         self.applied[name] = dict(position)
         try:
             return self.link.join(g, optimizer, lr, self.applied[name])
