@@ -12,6 +12,7 @@ agree to float32 rounding (and which parameters get a gradient agrees exactly).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -124,7 +125,7 @@ def _assert_event_happened(rec: Record, event: str) -> None:
     b stops or starts moving."""
     b_grads = [g["b.weight"] is not None for g in rec["grads"]]
     b = [Net().b.weight.detach(), *(w["b.weight"] for w in rec["weights"])]
-    moved = [not torch.equal(x, y) for x, y in zip(b, b[1:], strict=False)]
+    moved = [not torch.equal(x, y) for x, y in itertools.pairwise(b)]
     if event == "freeze":
         assert b_grads == [True, False, False] and moved == [True, False, False]
     else:
