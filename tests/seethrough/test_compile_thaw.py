@@ -33,9 +33,10 @@ from isolate.spec import IsolationSpec, Thaw
 from tests._launch import launch
 
 STEPS = 3
-# The compile options that hide requires_grad from dynamo's guards. Torch applies a guard
-# filter only to the first region a process compiles, so each case that needs one runs in a
-# process of its own (:func:`_in_child`).
+# The compile options that hide requires_grad from dynamo's guards. Whether torch reuses a
+# region under them depends on what the process compiled before (a test run in the same
+# process made dynamo compile again), so each case that needs them runs in a process of its
+# own (:func:`_in_child`).
 UNGUARDED = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
@@ -189,6 +190,39 @@ def _spec_thaw(planted: bool) -> dict[str, Any]:
     return {"same": True}
 
 
+def _llama_thaw(planted: bool) -> dict[str, Any]:
+    """A tiny Llama with LoRA, compiled under the guard filter: the LoRA of layer 1 frozen by a
+    spec and thawed at step 1 (the fault matrix's thaw under compile); ``planted``: the spec
+    leaves the compiled region in place."""
+    from tests._llama import batch, lora_llama
+
+    if planted:
+        isolate.spec.thawing.forget_compiled = lambda: 0  # type: ignore[assignment]
+    model = lora_llama()
+    layer1 = "*layers.1.*lora_*"
+    handle = IsolationSpec(freeze=[layer1], thaw=[Thaw(layer1, step=1, lr=1e-2)]).apply(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    handle.attach(opt)
+    loop = handle.check_every(0)  # the checks a thaw needs: reach on its first step
+    thawed = {n: p for n, p in model.named_parameters() if ".layers.1." in n and "lora_" in n}
+    before = {n: p.detach().clone() for n, p in thawed.items()}
+    forward = torch.compile(model, backend="aot_eager", options=UNGUARDED)
+    try:
+        for step in range(2):
+            loop.begin_step(epoch=0, step=step)
+            loss = forward(**batch(seed=step)).loss
+            loop.before_backward(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loop.end_step()
+    except StaleCompileError as error:
+        return {"error": str(error)}
+    moved = sorted(n for n, p in thawed.items() if not torch.equal(p.detach(), before[n]))
+    handle.restore()
+    return {"error": None, "moved": moved, "thawed": sorted(thawed)}
+
+
 def _in_child(function: str, args: str, tmp_path: Path) -> Any:
     """Call this module's ``function`` with ``args`` in a fresh process; its JSON result."""
     module = "tests.seethrough.test_compile_thaw"
@@ -233,5 +267,28 @@ def test_a_thaw_that_would_not_train_under_compile_is_caught_with_its_cause(
         r"^IsolationSpec: at step 1, \['b\.weight', 'b\.bias'\] get no gradient: "
         r"cut_off_parameters\(\): the torch\.compile region Net\.forward .* was compiled while "
         r"2 of its inputs",
+        out["error"],
+    ), out["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True])
+def test_fault_matrix_a_thaw_under_compile_on_a_lora_llama(planted: bool, tmp_path: Path) -> None:
+    """Clean, the thawed LoRA of layer 1 trains from the thaw's step; planted, the reach check
+    on that step names the compiled region and the four LoRA tensors."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    out = _in_child("_llama_thaw", str(planted), tmp_path)
+    if not planted:
+        assert out["error"] is None
+        assert len(out["thawed"]) == 4 and out["moved"] == out["thawed"]
+        return
+    lora = (
+        r"'base_model\.model\.model\.layers\.1\.self_attn\.[qv]_proj\.lora_[AB]\.default\.weight'"
+    )
+    assert re.match(
+        rf"^IsolationSpec: at step 1, \[{lora}, {lora}, {lora}, {lora}\] get no gradient: "
+        r"cut_off_parameters\(\): the torch\.compile region .* was compiled while 4 of its "
+        r"inputs .* did not require grad",
         out["error"],
     ), out["error"]
