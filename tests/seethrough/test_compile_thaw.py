@@ -80,26 +80,28 @@ def _train(event: str, compile_: Callable[[Net], Callable[[torch.Tensor], torch.
         loop = handle.check_every(1)
     forward = compile_(model)
     rec: Record = {"grads": [], "weights": []}
-    for step in range(STEPS):
-        if loop is not None:
-            loop.begin_step(epoch=0, step=step)
-        elif step == 1:
-            freeze = isolate.freeze(model, "b")
-        loss = forward(torch.randn(8, 4, generator=torch.Generator().manual_seed(step)))
-        if loop is not None:
-            loop.before_backward(loss)
-        loss.backward()
-        rec["grads"].append(
-            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-        )
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if loop is not None:
-            loop.end_step()
-        rec["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
-    for h in (handle, freeze):
-        if h is not None:
-            h.restore()
+    try:
+        for step in range(STEPS):
+            if loop is not None:
+                loop.begin_step(epoch=0, step=step)
+            elif step == 1:
+                freeze = isolate.freeze(model, "b")
+            loss = forward(torch.randn(8, 4, generator=torch.Generator().manual_seed(step)))
+            if loop is not None:
+                loop.before_backward(loss)
+            loss.backward()
+            rec["grads"].append(
+                {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+            )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if loop is not None:
+                loop.end_step()
+            rec["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    finally:
+        for h in (handle, freeze):
+            if h is not None:
+                h.restore()
     return rec
 
 
