@@ -18,7 +18,8 @@ after a thaw its backward has no gradient for the thawed parameters. The walk na
 region (:class:`~isolate.errors.StaleCompileError`), and :func:`forget_compiled` makes dynamo
 compile every region again.
 
-Nothing here imports ``torch._dynamo``: a compiled node carries everything that is read.
+Nothing here imports ``torch._dynamo`` (:func:`forget_compiled` uses it only when something
+imported it already): a compiled node carries everything that is read.
 """
 
 from __future__ import annotations
@@ -265,8 +266,9 @@ def _refuse_stale(node: Node, needs: Sequence[bool], caller: str) -> None:
         error = StaleCompileError(
             f"{caller}: {_region_name(forward_cls)} was compiled while {len(stale)} of its "
             f"inputs (shapes {shapes}) did not require grad, and runs now that they do: its "
-            f"backward has no gradient for them, so they never learn (torch.compile reused it: "
-            f"a guard_filter_fn that skips nn-module guards hides requires_grad from dynamo). "
+            f"backward has no gradient for them, so they never learn (dynamo's guards did not "
+            f"see the flip, as under a guard_filter_fn that skips nn-module or parameter "
+            f"guards). "
             f"Fix: thaw through the spec (IsolationSpec thaws make dynamo compile again), call "
             f"torch._dynamo.reset_code_caches() after flipping flags by hand, or compile "
             f"without the guard filter"

@@ -215,7 +215,9 @@ def check_reach(
     except StaleCompileError as error:  # a thaw the compiled forward does not see
         names = Names.of(model)
         stale = [names.name(t) for t in error.tensors if isinstance(t, torch.Tensor)]
-        return 0, [StaleCompileError(f"{caller}: {when}, {shown(stale)} get no gradient: {error}")]
+        named = StaleCompileError(f"{caller}: {when}, {shown(stale)} get no gradient: {error}")
+        named.tensors = error.tensors
+        return 0, [named]
     found: list[IsolationError] = []
     if result.parameters:
         found.append(
