@@ -5,6 +5,12 @@ then hands out one tensor at a time. The single-file formats hand out memory-map
 every ``window`` bytes handed out, the reader lets go of its mapping and maps the file again,
 so that the pages already read leave the process's resident memory (they stay in the page
 cache) and memory stays bounded whatever the checkpoint's size.
+
+Fingerprints and the files' own hashes come from one pass over each file: a
+:class:`~isolate.certificates.streaming.FileCursor` per file hashes its bytes in file order,
+and a tensor whose bytes the format locates in the file (its ``span``) is fingerprinted from
+the same bytes as they pass. Any other tensor is fingerprinted from what ``read`` hands out,
+and the format moves the cursor over the bytes it read (see each format for which).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import ClassVar, Literal
 
 import torch
 
-from isolate.certificates.filehash import FileHash, hash_file
+from isolate.certificates.filehash import FileHash
+from isolate.certificates.streaming import FileCursor, Span
 from isolate.errors import CheckpointReadError
 from isolate.fingerprints import fingerprint
 
@@ -64,9 +71,9 @@ class Source:
 class Checkpoint(abc.ABC):
     """One checkpoint: its tensors' metadata up front, then one tensor at a time.
 
-    Subclasses fill ``_metas`` (in the order reading is cheapest) and implement ``_read``
-    and ``_release``; ``read`` counts the bytes handed out and releases the mapping every
-    ``window`` bytes.
+    Subclasses fill ``_metas`` (in the order reading is cheapest), ``_spans`` for the
+    tensors whose bytes they locate in ``path``, and implement ``_read`` and ``_release``;
+    ``read`` counts the bytes handed out and releases the mapping every ``window`` bytes.
     """
 
     format: ClassVar[str]
@@ -78,7 +85,9 @@ class Checkpoint(abc.ABC):
         self.skipped: list[str] = []  # entries that are not tensors (step counters, configs)
         self.group: str | None = None  # the group the weights were read from (None: top level)
         self._mapped = 0
-        self.file_hash: FileHash = "none"
+        self.file_hash: FileHash = "none"  # set before the first print_of: cursors read it
+        self._spans: dict[str, Span] = {}  # tensors fingerprinted from the bytes of ``path``
+        self._cursors: dict[Path, FileCursor] = {}
 
     @property
     def metas(self) -> Mapping[str, TensorMeta]:
@@ -105,14 +114,25 @@ class Checkpoint(abc.ABC):
         return tensor
 
     def print_of(self, key: str) -> int:
-        """:func:`~isolate.fingerprints.fingerprint` of the tensor ``key``."""
+        """:func:`~isolate.fingerprints.fingerprint` of the tensor ``key``: from the file's
+        bytes as the cursor passes them where the format locates them, else from ``read``."""
+        if key in self._spans:
+            return self.cursor(self.path).print_of(key)
         return fingerprint(self.read(key))
 
+    def cursor(self, path: Path) -> FileCursor:
+        """The cursor that reads ``path`` (one of :meth:`files`) once, in file order."""
+        if path not in self._cursors:
+            spans = self._spans if path == self.path else {}
+            self._cursors[path] = FileCursor(path, self.file_hash, spans)
+        return self._cursors[path]
+
     def file_hashes(self) -> dict[str, str]:
-        """Each file's own hash (by ``file_hash``), by file name; empty for ``"none"``."""
+        """Each file's own hash (by ``file_hash``), by file name; empty for ``"none"``. The
+        cursors hash what the pass has not read yet."""
         if self.file_hash == "none":
             return {}
-        return {p.name: hash_file(p, self.file_hash) for p in self.files()}
+        return {p.name: self.cursor(p).finish() for p in self.files()}
 
     def sources(self, key: str) -> list[Source]:
         """Where the parts of ``key`` are stored (one part for single-file formats)."""
@@ -135,6 +155,9 @@ class Checkpoint(abc.ABC):
 
     def close(self) -> None:
         self._release()
+        for cursor in self._cursors.values():
+            cursor.close()
+        self._cursors.clear()
 
     def __enter__(self) -> Checkpoint:
         return self

@@ -8,6 +8,12 @@ so that a verdict can name the shard that holds a part.
 The folder's ``.metadata`` is a plain pickle, which ``FileSystemReader`` loads with
 ``pickle.load``: here it is loaded by an unpickler that admits only the checkpoint's own
 metadata classes, so that no code from the folder runs.
+
+Each shard file is hashed by its own cursor, in file order, as the pass goes: once a tensor's
+chunks are read (by ``FileSystemReader``, into the tensor), each chunk's file is hashed up to
+the chunk's end, so the bytes are hashed just after they were read, from the page cache; the
+small ``.metadata`` is hashed whole at the end. A chunk's bytes are a ``torch.save`` zip of
+its own, so tensors are fingerprinted from the values read, not from the file's bytes.
 """
 
 from __future__ import annotations
@@ -112,6 +118,7 @@ class DcpCheckpoint(Checkpoint):
         self.group = group
         self._fqns: dict[str, str] = {}
         self._sources: dict[str, list[Source]] = {}
+        self._ends: dict[str, list[tuple[str, int]]] = {}  # each chunk's file and last byte
         for fqn, item in tensors.items():
             parts = paths[fqn]
             if group is not None and (len(parts) < 2 or parts[0] != group):
@@ -140,6 +147,7 @@ class DcpCheckpoint(Checkpoint):
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         sources = []
+        ends = self._ends.setdefault(name, [])
         for chunk in item.chunks:
             info = self.metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
             file = getattr(info, "relative_path", None)
@@ -158,6 +166,7 @@ class DcpCheckpoint(Checkpoint):
                     f"truncated or missing: re-copy it"
                 )
             sources.append(Source(file, tuple(chunk.offsets), tuple(chunk.sizes)))
+            ends.append((file, end))
         if not sources:
             raise CheckpointReadError(f"{self.where(name)}: {_METADATA} lists no chunk for it")
         return sources
@@ -201,9 +210,17 @@ class DcpCheckpoint(Checkpoint):
             ) from None
         return target
 
+    def print_of(self, key: str) -> int:
+        found = super().print_of(key)
+        if self.file_hash != "none":
+            for file, end in self._ends[key]:
+                self.cursor(self.path / file).advance(end)
+        return found
+
     def files(self) -> list[Path]:
-        used = {s.file for sources in self._sources.values() for s in sources}
-        return [self.path / _METADATA, *(self.path / f for f in sorted(used))]
+        """The metadata and every file it refers to (tensors' shards and other entries')."""
+        used = {getattr(i, "relative_path", "") for i in self.metadata.storage_data.values()}
+        return [self.path / _METADATA, *(self.path / f for f in sorted(used - {""}))]
 
     def unreferenced(self) -> list[str]:
         """Files of the folder that the metadata does not refer to (left by another save)."""

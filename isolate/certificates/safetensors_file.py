@@ -1,36 +1,30 @@
-"""safetensors files: fingerprinted from a memory map a block at a time, read with the
+"""safetensors files: fingerprinted from their bytes by the file's cursor, read with the
 ``safetensors`` package's memory-mapped ``safe_open`` where values are needed.
 
 The header is parsed here first, so that a truncated file is named with the first tensor
 whose bytes are missing, and the tensors are read in the order of their bytes in the file.
-A tensor's fingerprint is computed from its bytes in the file (safetensors stores them
-row-major, little-endian: what :func:`~isolate.fingerprints.fingerprint` reads), 8 MiB at a
-time, and each block's pages are let go once read (``MADV_DONTNEED``: they stay in the page
-cache, not in this process), so resident memory stays at a block whatever the tensor's
-size. The same blocks feed the file's own hash when the tensors are read in file order, so
-the file is read once.
+Every tensor's bytes are located in the file (safetensors stores them row-major,
+little-endian: what :func:`~isolate.fingerprints.fingerprint` reads on a little-endian
+machine), so the :class:`~isolate.certificates.streaming.FileCursor` reads the file once,
+header and gaps included, for the file's own hash and every fingerprint.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
-from collections.abc import Callable, Sequence
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from isolate.certificates.checkpoint import WINDOW, Checkpoint, TensorMeta
-from isolate.certificates.filehash import label, new_hasher
+from isolate.certificates.streaming import Span
 from isolate.errors import CheckpointReadError
-from isolate.fingerprints import HostFingerprint
 
 __all__ = ["SafetensorsCheckpoint", "read_header"]
 
 _MAX_HEADER = 100 << 20  # the safetensors format's own limit
-BLOCK = 8 << 20  # pages let go after each block
-PIECE = 256 << 10  # fits in a core's L2 cache: the second hash of a piece reads it there
 
 
 def read_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -106,14 +100,13 @@ class SafetensorsCheckpoint(Checkpoint):
             )
         self.offsets = {k: tuple(header[n]["data_offsets"]) for k, n in self._names.items()}
         self._handle: Any = None
-        self._map: mmap.mmap | None = None
-        self._digest: Any = None  # the file's own hash, fed in file order
-        self._hashed_to = 0
-        self._in_order = True
         handle = self._open()
         for key_, name in self._names.items():
             tensor = self._get(handle, key_, name)
-            self._metas[key_] = TensorMeta(tensor.dtype, tuple(tensor.shape))
+            self._metas[key_] = meta = TensorMeta(tensor.dtype, tuple(tensor.shape))
+            if sys.byteorder == "little":  # else the bytes differ from the tensor's in memory
+                start, end = (self.data_start + o for o in self.offsets[key_])
+                self._spans[key_] = Span(start, end, meta.dtype, meta.shape)
         self._release()
 
     def _open(self) -> Any:
@@ -143,53 +136,3 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def files(self) -> list[Path]:
         return [self.path]
-
-    def _walk(self, start: int, end: int, sinks: Sequence[Callable[[memoryview], None]]) -> None:
-        """Feed the file's bytes ``[start, end)`` to ``sinks`` a block at a time, letting each
-        block's pages go once read."""
-        if self._map is None:
-            with self.path.open("rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        whole = memoryview(self._map)
-        try:
-            for first in range(start, end, BLOCK):
-                last = min(first + BLOCK, end)
-                for at in range(first, last, PIECE):  # each piece is fed to every sink
-                    with whole[at : min(at + PIECE, last)] as piece:  # while it is in cache
-                        for sink in sinks:
-                            sink(piece)
-                if hasattr(mmap, "MADV_DONTNEED"):  # Linux; elsewhere pages stay mapped
-                    aligned = first - first % mmap.PAGESIZE
-                    self._map.madvise(mmap.MADV_DONTNEED, aligned, last - aligned)
-        finally:
-            whole.release()
-
-    def print_of(self, key: str) -> int:
-        meta = self._metas[key]
-        start, end = (self.data_start + o for o in self.offsets[key])
-        stream = HostFingerprint(meta.dtype, meta.shape)
-        sinks = [stream.update]
-        if self.file_hash != "none" and self._in_order:
-            if self._digest is None:
-                self._digest = new_hasher(self.file_hash)
-            if start >= self._hashed_to:
-                self._walk(self._hashed_to, start, [self._digest.update])  # header, gaps
-                sinks.append(self._digest.update)
-                self._hashed_to = end
-            else:  # read out of file order: hashed in a pass of its own
-                self._in_order = False
-        self._walk(start, end, sinks)
-        return stream.intdigest()
-
-    def file_hashes(self) -> dict[str, str]:
-        if self.file_hash == "none" or not self._in_order or self._digest is None:
-            return super().file_hashes()
-        self._walk(self._hashed_to, self.path.stat().st_size, [self._digest.update])
-        self._hashed_to = self.path.stat().st_size
-        return {self.path.name: label(self.file_hash, self._digest)}
-
-    def close(self) -> None:
-        super().close()
-        if self._map is not None:
-            self._map.close()
-            self._map = None
