@@ -94,8 +94,8 @@ def test_the_certificate_records_the_files_own_hashes(tmp_path: Path, fmt: str, 
         assert cert.tuned.hashes == {f.name: _hash(f, kind) for f in files}
         if base.is_file():
             assert cert.base.hashes == {base.name: _hash(base, kind)}
-    if fmt == "dcp":  # the metadata and one shard file per tensor
-        assert ".metadata" in cert.tuned.hashes and len(cert.tuned.hashes) == 1 + len(tuned_state)
+    if fmt == "dcp":  # the metadata, one shard file per tensor and one for the step count
+        assert ".metadata" in cert.tuned.hashes and len(cert.tuned.hashes) == 2 + len(tuned_state)
 
 
 def test_the_certificate_json_holds_what_is_needed_to_check_it_again(tmp_path: Path) -> None:

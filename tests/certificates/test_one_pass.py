@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from isolate.certificates import certify
+from isolate.certificates import certify, torch_file
 from isolate.certificates import checkpoint as checkpoint_module
 from isolate.certificates.dcp_folder import DcpCheckpoint
 from isolate.certificates.opening import open_checkpoint
@@ -37,24 +37,24 @@ def _files(path: Path) -> list[Path]:
 
 
 class _Reads:
-    """What each cursor read of its file, counted when the certificate closes it, and how
-    many tensors were fingerprinted from values handed out rather than from the file."""
+    """The bytes read from each file by the cursors, and how many tensors were fingerprinted
+    from values handed out rather than from the file's bytes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.walked: dict[str, int] = {}
         self.from_values = 0
-        close = FileCursor.close
+        walk = FileCursor._walk
         plain = checkpoint_module.fingerprint
 
-        def closing(cursor: FileCursor) -> None:
-            self.walked[str(cursor.path)] = self.walked.get(str(cursor.path), 0) + cursor.walked
-            close(cursor)
+        def walking(cursor: FileCursor, start: int, end: int, sinks: Any) -> None:
+            walk(cursor, start, end, sinks)
+            self.walked[str(cursor.path)] = self.walked.get(str(cursor.path), 0) + end - start
 
         def counted(t: torch.Tensor) -> int:
             self.from_values += 1
             return plain(t)
 
-        monkeypatch.setattr(FileCursor, "close", closing)
+        monkeypatch.setattr(FileCursor, "_walk", walking)
         monkeypatch.setattr(checkpoint_module, "fingerprint", counted)
 
 
@@ -124,8 +124,19 @@ def test_dcp_shards_are_hashed_as_the_pass_reads_them(
 ) -> None:
     base, tuned = pair(tmp_path, "dcp", trained(base_state()))
     reads = _Reads(monkeypatch)
+    during: dict[str, int] = {}  # what was hashed of each shard before the hashes were asked for
+    hashes = DcpCheckpoint.file_hashes
+
+    def asked(reader: DcpCheckpoint) -> dict[str, str]:
+        during.update(reads.walked)
+        return hashes(reader)
+
+    monkeypatch.setattr(DcpCheckpoint, "file_hashes", asked)
     cert = certify(base, tuned, spec=SPEC)
     assert cert.clean
+    with DcpCheckpoint(tuned) as reader:
+        tensors = {tuned / s.file for k in reader.metas for s in reader.sources(k)}
+    assert {f: during.get(str(f)) for f in tensors} == {f: f.stat().st_size for f in tensors}
     assert reads.walked == {str(f): f.stat().st_size for f in _files(base) + _files(tuned)}
     assert cert.tuned.hashes == {f.name: _independent(f, "xxh3") for f in _files(tuned)}
 
@@ -154,6 +165,21 @@ def test_a_file_cut_short_while_it_is_read_is_named(tmp_path: Path) -> None:
         cursor.close()
     with pytest.raises(CheckpointReadError, match=r"^file\.bin, tensor 't': truncated"):
         FileCursor(path, "xxh3", {"t": Span(0, 9000, torch.uint8, (9000,))})
+
+
+def test_a_tensor_past_the_end_of_its_record_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "short.pt"
+    torch.save({"w": torch.ones(4, 4)}, path)
+    records = torch_file._records
+
+    def shorter(at: Path) -> dict[int, int]:
+        return {offset: size - 4 for offset, size in records(at).items()}
+
+    monkeypatch.setattr(torch_file, "_records", shorter)
+    with pytest.raises(CheckpointReadError, match=r"^short\.pt, tensor 'w': its bytes end at"):
+        open_checkpoint(path)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
