@@ -20,13 +20,17 @@ of the peers' way, peak resident memory about 10 GB). The ``seethrough`` section
 against one forward and one backward (``--seethrough-*`` sizes). Both need the ``peft`` extra.
 The ``imports`` section (``--only imports``) times ``import isolate`` against ``import torch``,
 each in fresh interpreters.
+The ``certify`` section (``--only certify``) times ``isolate certify`` on a synthetic bf16
+checkpoint pair against one sequential read of both files, measures its peak resident memory
+and plants five corruptions; its size is set by ``--certify-params`` (default 0.5B
+parameters, 1 GB per file, a few minutes; ``3000000000`` for the 3B target, 6 GB per file).
 
 Every row states its target as a limit on one number (``metric``, the ratio unless said
 otherwise), and ``ok`` is that limit applied to the number written next to it.
 
 One module per section (:mod:`~experiments.bench.wrappers`, ``freeze``, ``reachability``,
 ``report``, ``frozen``, ``callback``, ``scale``, ``sharded``, ``imports``, ``peft_llama`` for
-``peft``, ``seethrough``), over a shared timing
+``peft``, ``seethrough``, ``certify``), over a shared timing
 harness (``_timing``: every figure is the median of interleaved repeats (A, B, A, B, ...)
 after warm-up, so slow phases of a shared machine hit both sides alike).
 """

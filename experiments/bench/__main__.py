@@ -18,6 +18,7 @@ import torch
 
 from experiments.bench import (
     callback,
+    certify,
     freeze,
     frozen,
     imports,
@@ -44,6 +45,7 @@ class Settings:
     sharded: sharded.ShardedConfig
     peft: peft_llama.PeftConfig
     seethrough: seethrough.SeethroughConfig
+    certify: certify.CertifyConfig
 
 
 SECTIONS: dict[str, Callable[[Settings], list[Row]]] = {
@@ -58,6 +60,7 @@ SECTIONS: dict[str, Callable[[Settings], list[Row]]] = {
     "imports": lambda s: imports.run(s.quick),
     "peft": lambda s: peft_llama.run(s.peft),
     "seethrough": lambda s: seethrough.run(s.seethrough),
+    "certify": lambda s: certify.run(s.certify),
 }
 # section -> (its sizes, the small sizes of --quick)
 _SIZED: dict[str, tuple[type, object]] = {
@@ -65,6 +68,7 @@ _SIZED: dict[str, tuple[type, object]] = {
     "sharded": (sharded.ShardedConfig, sharded.QUICK_SHARDED),
     "peft": (peft_llama.PeftConfig, peft_llama.QUICK_PEFT),
     "seethrough": (seethrough.SeethroughConfig, seethrough.QUICK_SEETHROUGH),
+    "certify": (certify.CertifyConfig, certify.QUICK_CERTIFY),
 }
 
 

@@ -15,6 +15,7 @@ import torch
 
 from experiments.bench import imports
 from experiments.bench.__main__ import main
+from experiments.bench.certify import CertifyConfig
 from experiments.bench.networks import transformer
 from experiments.bench.scale import ScaleConfig, callback_verification
 from experiments.bench.sharded import ShardedConfig
@@ -349,3 +350,45 @@ def test_seethrough_section_runs_every_walk_it_times(tmp_path: Path) -> None:
         memory["extra"]["forward without checkpointing saved MB"]
         > memory["extra"]["checkpointed forward saved MB"]
     )
+
+
+TINY_CERTIFY = {"params": 2_000_000, "tensor_mb": 1, "trainable": 2, "repeat": 2}
+
+
+@pytest.mark.slow
+def test_certify_section_in_a_tiny_configuration(tmp_path: Path) -> None:
+    """A fresh process times certify against one read of both files of a generated pair and
+    measures its memory; five planted corruptions are each caught, their pairs clean as saved."""
+    sizes = [f"--certify-{k.replace('_', '-')}={v}" for k, v in TINY_CERTIFY.items()]
+    assert main(["--only", "certify", "--output", str(tmp_path), *sizes]) == 0
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["env"]["certify"] == vars(CertifyConfig(**TINY_CERTIFY))
+    rows = {row["name"].split(",")[0]: row for row in check_rows(tmp_path)}
+    assert list(rows) == [
+        "certify vs one sequential read of both files",
+        "certify without the files' hashes vs one sequential read",
+        "certify peak resident memory over its start",
+        "planted corruptions missed",
+    ]
+    timed = rows["certify vs one sequential read of both files"]
+    assert timed["name"].endswith("2.1M bf16 parameters, 0.00419 GB per file")
+    assert timed["limit"] == 1.2 and timed["extra"]["large pair clean"] is True
+    assert timed["extra"]["tensors per file"] == 4  # 1 MiB tensors: 2.1M parameters
+    assert timed["extra"]["cpu ratio (all threads)"] > 0
+    assert timed["extra"]["page cache"].startswith("warm for both sides")
+    memory = rows["certify peak resident memory over its start"]
+    assert memory["unit"] == "bytes" and memory["metric_name"] == "peak MB"
+    assert memory["limit"] == 100.0 and 4 * 2**20 < memory["baseline_s"] < 4 * 2**20 + 4096
+    planted = rows["planted corruptions missed"]
+    assert planted["extra"]["missed"] == 0 and planted["ok"] is True
+    assert planted["extra"]["caught"] == "5 of 5"
+    found = {
+        c["name"]: (c["clean_pair_clean"], c["failures"]) for c in planted["extra"]["corruptions"]
+    }
+    assert found == {
+        "base row changed": (True, [["trunk.0.weight", "changed"]]),
+        "tie broken": (True, [["embed.weight = out.weight", "tie broken"]]),
+        "drifted buffer": (True, [["trunk.1.running_mean", "changed"]]),
+        "stale shard": (True, [["head.weight", "did not move"]]),
+        "merge scale off by alpha/r": (True, [["q.weight", "merge off"]]),
+    }
