@@ -10,15 +10,19 @@ How it is measured:
 * The pair: safetensors files of bf16 ``(rows, 4096)`` tensors of ``tensor_mb`` MiB each,
   written one tensor at a time; the spec freezes every tensor but the last ``trainable``,
   which the tuned file moves. The large pair must be certified clean.
-* Time, in a fresh process: the page cache cannot be dropped without root, so both sides run
-  with it warm: both files are read once before anything is timed (the pair must fit in
-  memory; the row records the machine's memory). Then the sequential read of both files
-  (``readinto`` an 8 MiB buffer, one thread) and ``certify`` (files hashed, XXH3) run back
-  to back in alternating order, ``repeat`` pairs after one warm-up pair; the ratio is the
-  geometric mean of the per-pair ratios. CPU time (all threads) is recorded beside it, and the
-  1-minute load average before and after: certify reads the two files on two threads, so on
-  a machine busy with other work its wall-clock time follows its CPU time.
-  ``certify`` without the files' hashes is timed the same way, for reference.
+* Time, page cache warm, in a fresh process: both files are read once before anything is
+  timed (the pair must fit in memory; the rows record the machine's memory and, by
+  ``mincore``, the fraction of the pair's pages in the page cache before and after the
+  timings). Then the sequential read of both files (``readinto`` an 8 MiB buffer, one
+  thread) and ``certify`` (files hashed, XXH3) run back to back in alternating order,
+  ``repeat`` pairs after one warm-up pair; the ratio is the geometric mean of the per-pair
+  ratios. CPU time (all threads) is recorded beside it, and the 1-minute load average
+  before and after: certify reads the two files on two threads, so on a machine busy with
+  other work its wall-clock time follows its CPU time. ``certify`` without the files'
+  hashes is timed the same way, for reference.
+* The same, page cache cold: before each timed run, both files leave the page cache
+  (``POSIX_FADV_DONTNEED`` on the pair's own files: no root needed, nothing else dropped;
+  the fraction left cached is recorded), so both sides read from the disk.
 * Memory, in the same process before the timings: the kernel's peak resident set
   (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the resident set before one
   certify; it counts the file pages certify maps while they are mapped. The peak of
@@ -47,10 +51,24 @@ from typing import Any
 import torch
 
 from experiments.bench._rows import Row
-from experiments.bench._timing import PeakResident, paired, resident_bytes
+from experiments.bench._timing import (
+    PeakResident,
+    alternating,
+    geometric_mean_ratio,
+    paired,
+    resident_bytes,
+)
 from experiments.bench.corruptions import plant_all
 
-__all__ = ["QUICK_CERTIFY", "CertifyConfig", "make_pair", "measure", "run"]
+__all__ = [
+    "QUICK_CERTIFY",
+    "CertifyConfig",
+    "cached_fraction",
+    "drop_cached",
+    "make_pair",
+    "measure",
+    "run",
+]
 
 WIDTH = 4096
 LAYER = "model.layers.{}.weight"
@@ -120,6 +138,55 @@ def _read(paths: list[Path]) -> None:
                 pass
 
 
+def cached_fraction(paths: list[Path]) -> float | None:
+    """The fraction of the files' pages in the page cache (Linux ``mincore``), else None."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    pages = cached = 0
+    for path in paths:
+        with path.open("rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable: an address
+        try:
+            count = (len(mapped) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            flags = (ctypes.c_ubyte * count)()
+            start = ctypes.addressof(ctypes.c_char.from_buffer(mapped))  # the view goes at once
+            if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(len(mapped)), flags) != 0:
+                return None
+            pages += count
+            cached += sum(1 for flag in bytes(flags) if flag & 1)
+        finally:
+            mapped.close()
+    return cached / pages if pages else None
+
+
+def drop_cached(paths: list[Path]) -> None:
+    """Evict these files' clean pages from the page cache (``POSIX_FADV_DONTNEED``: no root
+    needed, and nothing else is dropped)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cold(fn: Callable[[], object], paths: list[Path]) -> Callable[[], float]:
+    """``fn`` timed right after the files left the page cache."""
+
+    def run() -> float:
+        drop_cached(paths)
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
 def _status(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -168,15 +235,18 @@ def measure(folder: Path, spec: dict[str, Any], repeat: int) -> dict[str, Any]:
 
     paths = [folder / "base.safetensors", folder / "tuned.safetensors"]
     _read(paths)  # warm the page cache: both sides are timed on warm pages
+    warm = cached_fraction(paths)
     memory = _memory(paths, spec)
     load_before = os.getloadavg()[0]
     out: dict[str, Any] = {**memory}
     for name, kind in (("certify", "xxh3"), ("certify without file hashes", "none")):
         cpu: dict[str, list[float]] = {"certify": [], "read": []}
+
+        def certifying(kind: Any = kind) -> object:
+            return certify(*paths, spec=spec, file_hash=kind)
+
         c, b, ratio = paired(
-            _cpu_timed(
-                lambda kind=kind: certify(*paths, spec=spec, file_hash=kind), cpu["certify"]
-            ),
+            _cpu_timed(certifying, cpu["certify"]),
             _cpu_timed(lambda: _read(paths), cpu["read"]),
             warmup=1,
             repeat=repeat,
@@ -187,6 +257,17 @@ def measure(folder: Path, spec: dict[str, Any], repeat: int) -> dict[str, Any]:
             "ratio": ratio,
             "cpu ratio": statistics.median(cpu["certify"]) / statistics.median(cpu["read"]),
         }
+    out["cached"] = [warm, cached_fraction(paths)]
+    cold_c, cold_b = alternating(
+        _cold(lambda: certify(*paths, spec=spec), paths), _cold(lambda: _read(paths), paths), repeat
+    )
+    drop_cached(paths)
+    out["cold"] = {
+        "seconds": statistics.median(cold_c),
+        "read seconds": statistics.median(cold_b),
+        "ratio": geometric_mean_ratio(cold_c, cold_b),
+        "cached after a drop": cached_fraction(paths),
+    }
     out["load average"] = [load_before, os.getloadavg()[0]]
     out["threads"] = torch.get_num_threads()
     return out
@@ -227,19 +308,21 @@ def run(cfg: CertifyConfig) -> list[Row]:
     size = f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
     label = f"{size} bf16 parameters, {gb:.3g} GB per file"
     hashed, bare = measured["certify"], measured["certify without file hashes"]
+    cold = measured["cold"]
     extra = {
         "cpu ratio (all threads)": hashed["cpu ratio"],
         "without file hashes: ratio": bare["ratio"],
         "load average (1 min) before, after": measured["load average"],
         "page cache": f"warm for both sides (each file read once before timing; pair "
         f"{2 * gb:.3g} GB, machine {_memory_total():.3g} GB)",
+        "fraction of the pair in the page cache, before and after the timings": measured["cached"],
         "large pair clean": measured["large pair clean"],
         "tensors per file": pair["tensors"],
         "generate seconds": generated,
     }
     missed = [p.name for p in planted if not p.caught]
     return [
-        Row(f"certify vs one sequential read of both files, {label}",
+        Row(f"certify vs one sequential read of both files, {label}, page cache warm",
             "isolate.certify (XXH3 file hashes)", "sequential read of both files",
             hashed["seconds"], hashed["read seconds"], "<= 1.2", False, extra,
             paired_ratio=hashed["ratio"], limit=1.2),
@@ -247,6 +330,11 @@ def run(cfg: CertifyConfig) -> list[Row]:
             "isolate.certify(file_hash='none')", "sequential read of both files",
             bare["seconds"], bare["read seconds"], "(measured)", None,
             {"cpu ratio (all threads)": bare["cpu ratio"]}, paired_ratio=bare["ratio"]),
+        Row(f"certify vs one sequential read of both files, {label}, page cache cold",
+            "isolate.certify (XXH3 file hashes)", "sequential read of both files",
+            cold["seconds"], cold["read seconds"], "<= 1.2", False,
+            {"fraction of the pair in the page cache after a drop": cold["cached after a drop"]},
+            paired_ratio=cold["ratio"], limit=1.2),
         Row(f"certify peak resident memory over its start, {label}", "isolate.certify",
             "one file", max(1.0, measured["peak MB"] * 2**20), pair["bytes_per_file"],
             "<= 100 MB", False, {"peak MB": measured["peak MB"],

@@ -109,15 +109,13 @@ def _in_state_dicts(folder: Path) -> list[Planted]:
 
 
 def _dcp(state: State, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     shutil.rmtree(path, ignore_errors=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # saving without a process group
-        dcp.save(
-            {"model": state}, storage_writer=FileSystemWriter(path, single_file_per_rank=False)
-        )
+        save({"model": state}, storage_writer=FileSystemWriter(path, single_file_per_rank=False))
 
 
 def _stale_shard(folder: Path) -> Planted:
