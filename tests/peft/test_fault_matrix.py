@@ -12,6 +12,7 @@ A fault that needs its own optimizer or loss plants it each runner's own way: th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ from isolate.errors import (
 from isolate.peft import spec_for
 from isolate.spec import IsolationSpec
 from tests._llama import VOCAB, lora_llama, tiny_llama
-from tests.peft._matrix import RUNNERS, ROWS, Fault, adamw
+from tests.peft._matrix import ROWS, RUNNERS, Fault, adamw
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -96,17 +97,17 @@ def _reregistered(model: nn.Module) -> torch.optim.Optimizer:
 
 class Distill(nn.Module):
     """A LoRA student learning from the output distribution of a teacher frozen by hand
-    (``requires_grad_(False)``; ``eval``: put in eval mode too, which transformers' Trainer
+    (``requires_grad_(False)``; ``in_eval``: put in eval mode too, which transformers' Trainer
     and a loop's ``model.train()`` undo, but Lightning keeps)."""
 
-    def __init__(self, seed: int, *, dropout: float = 0.0, eval: bool = True) -> None:
+    def __init__(self, seed: int, *, dropout: float = 0.0, in_eval: bool = True) -> None:
         super().__init__()
         self.student = lora_llama(seed=seed)
         self.teacher = tiny_llama(seed=seed + 1)
         for module in self.teacher.modules():
             if hasattr(module, "attention_dropout"):  # dropout on the attention weights
                 module.attention_dropout = dropout
-        self.teacher.requires_grad_(False).train(not eval)
+        self.teacher.requires_grad_(False).train(not in_eval)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> CausalLMOutput:
         out = self.student(input_ids=input_ids, labels=labels)
@@ -116,7 +117,7 @@ class Distill(nn.Module):
         return CausalLMOutput(loss=out.loss + kl, logits=out.logits)
 
 
-def _distill_spec(**keys: object) -> object:
+def _distill_spec(**keys: object) -> Callable[[nn.Module], IsolationSpec]:
     """The student's spec from PEFT, under ``student``, with a teacher contract and ``keys``."""
 
     def spec(model: nn.Module) -> IsolationSpec:
@@ -190,7 +191,7 @@ FAULTS = {
         optimizer=_teacher_in_optimizer,
     ),
     "frozen_teacher_dropout_in_train_mode": Fault(
-        lambda seed: Distill(seed, dropout=0.1, eval=False),
+        lambda seed: Distill(seed, dropout=0.1, in_eval=False),
         ContractError,
         r"contract 'teacher' \(teacher\) breaks its clause 'in eval mode': \["
         r"'(model\.)?teacher\.model\.layers\.0\.self_attn'.* run in train mode",
