@@ -1,8 +1,9 @@
 """A transformers ``Trainer`` fine-tuning LoRA adapters (PEFT) under an isolation spec.
 
-Only the LoRA tensors train; the final norm thaws at step 3; the callback checks every 2
-steps that the loss reaches every trainable tensor and that the base did not move, and saves
-where the spec stands in the Trainer's checkpoints::
+Only the LoRA tensors train (the spec is read from the PEFT model); the final norm thaws at
+step 3; the callback checks every 2 steps that the loss reaches every trainable tensor, that
+each LoRA tensor moves and that the base did not, and saves where the spec stands in the
+Trainer's checkpoints::
 
     python examples/trainer_peft.py --output-dir run --steps 6
     python examples/trainer_peft.py --output-dir run2 --steps 6 --stop-after 3
@@ -31,12 +32,13 @@ from isolate.cli import Parser
 
 VOCAB, LENGTH = 128, 16
 
-SPEC = IsolationSpec(
-    # Everything but the adapters stays still (PEFT froze the base; the spec says so and
-    # proves it), and the final norm joins the optimizer at step 3 with its own lr.
-    freeze=["!*.lora_A.*", "!*.lora_B.*"],
-    thaw=[Thaw("base_model.model.model.norm", step=3, lr=1e-3)],
-)
+
+def spec(model: nn.Module) -> IsolationSpec:
+    """What PEFT froze stays still and every LoRA tensor trains (read from the model, no
+    selectors to write); the final norm joins the optimizer at step 3 with its own lr."""
+    from isolate.peft import spec_for
+
+    return spec_for(model, thaw=[Thaw("base_model.model.model.norm", step=3, lr=1e-3)])
 
 
 def lora_model(seed: int = 0) -> nn.Module:
@@ -100,7 +102,7 @@ def train(
         seed=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-    callback = IsolationTrainerCallback(trainer, SPEC, verify_every_n_steps=2)
+    callback = IsolationTrainerCallback(trainer, spec(model), verify_every_n_steps=2)
     if stop_after is not None:
 
         class Interrupt(TrainerCallback):

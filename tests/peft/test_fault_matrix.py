@@ -1,21 +1,19 @@
 """The PEFT faults, each planted in a tiny random Llama with LoRA and caught with its cause
 named, under every runner; the clean model raises nothing over 5 seeds.
 
-A runner takes a PEFT model and a :class:`Fault`, derives the spec with
-:func:`isolate.peft.spec_for` and trains a few steps with checks at every step: a plain loop
-driven by the handle's ``Loop``, or a Lightning ``Trainer`` (each Lightning) with the
-``IsolationCallback``. Another runner (transformers' Trainer) is one more entry in
-``RUNNERS``.
+A runner takes a model and a :class:`Fault`, derives the spec (by default with
+:func:`isolate.peft.spec_for`) and trains a few steps with checks at every step: a plain loop
+driven by the handle's ``Loop``, a Lightning ``Trainer`` (each Lightning) with the
+``IsolationCallback``, or transformers' ``Trainer`` with the ``IsolationTrainerCallback``.
+A fault that needs its own optimizer or loss plants it each runner's own way: the loop and
+``configure_optimizers`` build it, a ``Trainer`` subclass overrides ``create_optimizer`` and
+``compute_loss`` (where the Trainer builds its optimizer and takes its loss).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
@@ -24,9 +22,18 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from isolate.errors import AdapterStateError, ContractError, IsolationError
+from transformers.modeling_outputs import CausalLMOutput
+
+from isolate.errors import (
+    AdapterStateError,
+    ContractError,
+    ReplacedParameterError,
+    SpecError,
+)
 from isolate.peft import spec_for
-from tests._llama import VOCAB, batch, lora_llama
+from isolate.spec import IsolationSpec
+from tests._llama import VOCAB, lora_llama, tiny_llama
+from tests.peft._matrix import ROWS, RUNNERS, Fault, adamw
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -37,46 +44,26 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:No seed found"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
 ]
-STEPS = 3
-ROWS = [3, 5, 17]
 EMBED = "(model\\.)?base_model.model.model.embed_tokens.weight"
 LORA_A = r"(model\.)?base_model.model.model.layers.0.self_attn.q_proj.lora_A"
+DOWN = "base_model.model.model.layers.0.mlp.down_proj"
+TEACHER = r"(model\.)?teacher\.model\.embed_tokens\.weight"
 
 
-def _loss(model: nn.Module, data: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**data).loss
-
-
-def _data(seed: int) -> list[dict[str, torch.Tensor]]:
-    out = []
-    for step in range(STEPS):
-        data = batch(seed=seed * 100 + step)
-        data["input_ids"][:, : len(ROWS)] = torch.tensor(ROWS)  # the trainable rows are used
-        out.append(data)
-    return out
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A model to build, what goes wrong in it, and the error that must name it (``None``:
-    clean, nothing may be raised)."""
-
-    build: Callable[[int], nn.Module]
-    error: type[IsolationError] | None = None
-    match: str = ""
-    loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = field(default=_loss)
-
-
-def _clean(seed: int) -> nn.Module:
+def _clean(seed: int, **kw: object) -> nn.Module:
     from peft import LoraConfig
 
     model = lora_llama(
-        seed=seed,
-        checkpointing=False,
-        lora={"modules_to_save": ["lm_head"], "trainable_token_indices": ROWS},
+        seed=seed, lora={"modules_to_save": ["lm_head"], "trainable_token_indices": ROWS}, **kw
     )
     model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))
     return model
+
+
+def _reentrant(seed: int) -> nn.Module:
+    """transformers' reentrant gradient checkpointing, with the hook that makes the
+    embeddings' output require grad (``enable_input_require_grads``): LoRA is reached."""
+    return _clean(seed, checkpointing=True, input_grads=True)
 
 
 def _wrong_adapter(seed: int) -> nn.Module:
@@ -99,8 +86,60 @@ def _masked_embedding(seed: int) -> nn.Module:
     return model
 
 
+def _reregistered(model: nn.Module) -> torch.optim.Optimizer:
+    """A base weight registered again as a new ``nn.Parameter`` after the spec was applied
+    (as a float8 or tensor-parallel conversion does): it requires grad, so the optimizer
+    built next takes it."""
+    layer = model.get_submodule(DOWN)
+    layer.weight = nn.Parameter(layer.weight.detach().clone())
+    return adamw(model.parameters())
+
+
+class Distill(nn.Module):
+    """A LoRA student learning from the output distribution of a teacher frozen by hand
+    (``requires_grad_(False)``; ``in_eval``: put in eval mode too, which transformers' Trainer
+    and a loop's ``model.train()`` undo, but Lightning keeps)."""
+
+    def __init__(self, seed: int, *, dropout: float = 0.0, in_eval: bool = True) -> None:
+        super().__init__()
+        self.student = lora_llama(seed=seed)
+        self.teacher = tiny_llama(seed=seed + 1)
+        for module in self.teacher.modules():
+            if hasattr(module, "attention_dropout"):  # dropout on the attention weights
+                module.attention_dropout = dropout
+        self.teacher.requires_grad_(False).train(not in_eval)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> CausalLMOutput:
+        out = self.student(input_ids=input_ids, labels=labels)
+        with torch.no_grad():
+            target = self.teacher(input_ids=input_ids).logits.softmax(-1)
+        kl = nn.functional.kl_div(out.logits.log_softmax(-1), target, reduction="batchmean")
+        return CausalLMOutput(loss=out.loss + kl, logits=out.logits)
+
+
+def _distill_spec(**keys: object) -> Callable[[nn.Module], IsolationSpec]:
+    """The student's spec from PEFT, under ``student``, with a teacher contract and ``keys``."""
+
+    def spec(model: nn.Module) -> IsolationSpec:
+        data = spec_for(model.student).prefixed("student").to_dict()
+        data["contracts"].append({"kind": "teacher", "name": "teacher", "select": ["teacher"]})
+        for key, value in keys.items():
+            data[key] = [*data[key], *value] if isinstance(value, list) else value
+        return IsolationSpec.from_dict(data)
+
+    return spec
+
+
+def _teacher_in_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The student's trainable tensors and, in a group of its own, the frozen teacher."""
+    student = [p for p in model.student.parameters() if p.requires_grad]
+    teacher = list(model.teacher.parameters())
+    return torch.optim.AdamW([{"params": student}, {"params": teacher}], lr=1e-2, weight_decay=0.1)
+
+
 FAULTS = {
     "clean": Fault(_clean),
+    "clean_reentrant_checkpointing": Fault(_reentrant),
     "wrong_adapter_trainable": Fault(
         _wrong_adapter,
         AdapterStateError,
@@ -134,76 +173,36 @@ FAULTS = {
         r"\['" + LORA_A + ".default.weight'",
         loss=lambda model, data: model(**data).loss.detach().requires_grad_(True),
     ),
+    "reregistered_base_weight_joins_the_optimizer": Fault(
+        lambda seed: lora_llama(seed=seed),
+        ReplacedParameterError,
+        rf"at attach, the spec's parameter '(model\.)?{DOWN}\.weight' was replaced or removed "
+        rf"after it was applied:\n  (model\.)?{DOWN}\.weight \(frozen\): a new object; "
+        r"requires grad \(the spec's object: requires_grad=False\); in optimizer 0, group 0\n",
+        optimizer=_reregistered,
+    ),
+    "frozen_teacher_left_in_the_optimizer": Fault(
+        Distill,
+        SpecError,
+        r"frozen parameters sit in an optimizer, where a zero gradient with weight decay or "
+        rf"momentum can still move them:\n  {TEACHER}: optimizer 0, param group 1 \("
+        r"weight_decay=0.1 shrinks it",
+        spec=_distill_spec(freeze=["teacher"], mode="eval", frozen_in_optimizer="error"),
+        optimizer=_teacher_in_optimizer,
+    ),
+    "frozen_teacher_dropout_in_train_mode": Fault(
+        lambda seed: Distill(seed, dropout=0.1, in_eval=False),
+        ContractError,
+        r"contract 'teacher' \(teacher\) breaks its clause 'in eval mode': \["
+        r"'(model\.)?teacher\.model\.layers\.0\.self_attn'.* run in train mode",
+        spec=_distill_spec(),
+    ),
 }
-
-
-def _adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2, weight_decay=0.1)
-
-
-def run_loop(model: nn.Module, fault: Fault, seed: int, tmp_path: Path) -> None:
-    """A plain loop driven by ``handle.check_every(1)``."""
-    handle = spec_for(model).apply(model)
-    opt = _adamw(model.parameters())
-    handle.attach(opt)
-    loop = handle.check_every(1)
-    try:
-        for step, data in enumerate(_data(seed)):
-            loop.begin_step(epoch=0, step=step)
-            loss = fault.loss(model, data)
-            loop.before_backward(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            loop.end_step()
-        loop.finish()
-    finally:
-        handle.restore()
-
-
-@functools.cache
-def _module(lightning: ModuleType) -> type[Any]:
-    class PeftNet(lightning.LightningModule):  # type: ignore[misc, name-defined]
-        def __init__(self, model: nn.Module, fault: Fault) -> None:
-            super().__init__()
-            self.model, self.fault = model, fault
-
-        def training_step(self, data: dict[str, torch.Tensor], index: int) -> torch.Tensor:
-            return self.fault.loss(self.model, data)  # type: ignore[no-any-return]
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _adamw(self.parameters())
-
-    return PeftNet
-
-
-def run_lightning(lightning: ModuleType) -> Callable[[nn.Module, Fault, int, Path], None]:
-    def run(model: nn.Module, fault: Fault, seed: int, tmp_path: Path) -> None:
-        from isolate.lightning import IsolationCallback
-        from tests.lightning._models import trainer
-
-        callback = IsolationCallback(
-            spec=spec_for(model).prefixed("model"),
-            verify_every_n_steps=1,
-            log_grad_norms=False,
-            ledger=False,
-        )
-        data = torch.utils.data.DataLoader(_data(seed), batch_size=None)
-        fit = trainer(tmp_path, [callback], lightning=lightning, max_epochs=1, max_steps=STEPS)
-        fit.fit(_module(lightning)(model, fault), data)
-
-    return run
-
-
-RUNNERS: dict[str, Callable[[], Callable[[nn.Module, Fault, int, Path], None]]] = {
-    "loop": lambda: run_loop,
-    "pytorch_lightning": lambda: run_lightning(pytest.importorskip("pytorch_lightning")),
-    "lightning.pytorch": lambda: run_lightning(pytest.importorskip("lightning.pytorch")),
-}
+CLEAN = [f for f, planted in FAULTS.items() if planted.error is None]
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
-@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "clean"])
+@pytest.mark.parametrize("fault", [f for f in FAULTS if f not in CLEAN])
 def test_each_fault_is_caught_with_its_cause_named(runner: str, fault: str, tmp_path: Path) -> None:
     planted = FAULTS[fault]
     assert planted.error is not None
@@ -212,12 +211,15 @@ def test_each_fault_is_caught_with_its_cause_named(runner: str, fault: str, tmp_
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
-def test_clean_runs_raise_nothing_over_five_seeds(runner: str, tmp_path: Path) -> None:
-    clean = FAULTS["clean"]
+@pytest.mark.parametrize("clean", CLEAN)
+def test_clean_runs_raise_nothing_over_five_seeds(runner: str, clean: str, tmp_path: Path) -> None:
+    """Nothing raised, and exactly the tensors of the active adapter move: LoRA A and B, the
+    head's copy, the token rows' delta."""
     for seed in range(5):
-        model = clean.build(seed)
+        model = FAULTS[clean].build(seed)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        RUNNERS[runner]()(model, clean, seed, tmp_path / str(seed))
+        RUNNERS[runner]()(model, FAULTS[clean], seed, tmp_path / str(seed))
         moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
-        expected = {n for n in before if n in spec_for(model).contracts[0].select}
+        expected = set(spec_for(model).contracts[0].select)
+        assert any(".lora_B.default" in n for n in expected), expected
         assert moved == expected, seed
