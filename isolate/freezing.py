@@ -4,7 +4,8 @@
 layers, or with ``mode=`` of every module whose behaviour depends on its mode) and return a
 :class:`FreezeHandle` whose ``restore()`` writes back exactly what was there; ``frozen`` /
 ``unfrozen`` are their context-manager forms and :class:`Frozen` their module twin;
-:func:`held_in_eval` says which modules a hold keeps in eval mode.
+:func:`held_in_eval` says which modules a hold keeps in eval mode, :func:`reads_training`
+which modules a mode matters to.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch
 from torch import nn
 
 from isolate._flags import HandleSequence, check_params, outside_compile, write_flags
-from isolate._holding import check_policy, held_policy, policy_of, pop_hold, push_hold
+from isolate._holding import (
+    check_policy,
+    held_policy,
+    policy_of,
+    pop_hold,
+    push_hold,
+    reads_training,
+)
 from isolate._selectors import Selector, check_module, select
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
@@ -33,6 +41,7 @@ __all__ = [
     "frozen",
     "held_in_eval",
     "is_frozen",
+    "reads_training",
     "unfreeze",
     "unfrozen",
 ]

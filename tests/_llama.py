@@ -70,9 +70,8 @@ def lora_llama(
             base.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": checkpointing}
             )
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **(lora or {})
-    )
+    keys = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+    config = LoraConfig(**{**keys, **(lora or {})})
     logging.getLogger("peft").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # PEFT's warning about a tied head

@@ -11,11 +11,12 @@ and the fix.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
 from isolate.errors import AdapterStateError, SpecError
+from isolate.freezing import reads_training
 from isolate.peft.layout import Layout, layout
 from isolate.spec.isolation import IsolationSpec
 
@@ -153,7 +154,13 @@ def _get(model: nn.Module, name: str) -> Any:
         return None
 
 
-def spec_for(model: nn.Module, *, within: int = 2, **keys: Any) -> IsolationSpec:
+def spec_for(
+    model: nn.Module,
+    *,
+    within: int = 2,
+    mixed: Literal["error", "follow"] = "error",
+    **keys: Any,
+) -> IsolationSpec:
     """The :class:`~isolate.IsolationSpec` a PEFT model declares, with no selectors to write.
 
     Freezes every tensor PEFT keeps still: the base model, the originals ``modules_to_save``
@@ -172,6 +179,11 @@ def spec_for(model: nn.Module, *, within: int = 2, **keys: Any) -> IsolationSpec
         within: the ``trains`` contract's window: each active adapter tensor must change
             within that many optimizer steps (2: a LoRA A whose B starts at zero gets its
             first gradient on the second step).
+        mixed: with ``mode="eval"``, what to do with a *mixed* module: one whose own forward
+            reads ``.training`` and that holds both frozen tensors and tensors the adapter
+            trains (``LlamaAttention``, whose attention dropout reads its flag, with LoRA on
+            ``q_proj``). ``"error"`` refuses it; ``"follow"`` lets it follow the model's mode
+            (right when its mode changes nothing, as with ``attention_dropout=0.0``).
         keys: other keys of :class:`~isolate.IsolationSpec` (``thaw``, ``protect``,
             ``mode``, ...); ``freeze`` and ``contracts`` are added to the derived ones.
 
@@ -181,13 +193,25 @@ def spec_for(model: nn.Module, *, within: int = 2, **keys: Any) -> IsolationSpec
     Raises:
         AdapterStateError: the flags contradict the adapters (see :func:`check_flags`).
         IsolationTypeError: ``model`` is not a PEFT model.
-        SpecError: a key is not one of the spec's, or the active adapters train nothing.
+        SpecError: a key is not one of the spec's, the active adapters train nothing, or
+            ``mode="eval"`` cannot hold a mixed module (see ``mixed``), naming it.
 
     Note:
         A token row that no batch holds gets no gradient, and under Adam does not move: the
         ``trains`` contract names its delta. A tensor whose gradient is zero for ``within``
         steps is named the same way; raise ``within``, or leave it out with
         ``contracts=...`` of your own.
+
+    Note:
+        With ``mode=`` the spec also freezes, by name, each largest module all of whose
+        tensors it freezes (a decoder layer's ``mlp``, a LoRA layer's ``base_layer``), so that
+        its hold reaches the layers without tensors inside it: an ``nn.Dropout`` in an
+        ``act_fn`` is held in eval mode through ``model.train()``. The adapter's own
+        mode-dependent layers (LoRA's ``lora_dropout``, a ``ModuleDict`` by adapter; a
+        ``modules_to_save`` copy) are not the base: they follow the model's mode, so the
+        adapter trains with the dropout its config asks for. A module that holds both (a
+        mixed module) cannot be held without holding, and freezing, the adapter inside it: a
+        selector holds a module by naming it, and naming it selects every tensor it holds.
 
     >>> import torch
     >>> from torch import nn
@@ -216,9 +240,61 @@ def spec_for(model: nn.Module, *, within: int = 2, **keys: Any) -> IsolationSpec
         "select": trains,
         "within": within,
     }
-    freeze = [*found.frozen, *_as_list(keys.pop("freeze", ()))]
+    if mixed not in ("error", "follow"):
+        raise SpecError(f"{_CALLER}: mixed must be 'error' or 'follow', got {mixed!r}")
+    whole = _whole_modules(model, found) if keys.get("mode") is not None else []
+    if keys.get("mode") == "eval" and mixed == "error":
+        _refuse_mixed(model, found, whole)
+    freeze = [*found.frozen, *whole, *_as_list(keys.pop("freeze", ()))]
     contracts = [contract, *_as_list(keys.pop("contracts", ()))]
     return IsolationSpec(freeze=tuple(freeze), contracts=tuple(contracts), **keys)
+
+
+def _whole_modules(model: nn.Module, found: Layout) -> list[str]:
+    """The largest modules all of whose tensors PEFT keeps still, by name, in model order."""
+    still = {id(found.params[n]) for n in found.frozen}
+    out: list[str] = []
+    taken: set[str] = set()
+    for name, module in model.named_modules():
+        if not name or _inside(name, taken):
+            continue
+        ids = {id(p) for p in module.parameters()}
+        if ids and ids <= still:
+            out.append(name)
+            taken.add(name)
+    return out
+
+
+def _inside(name: str, names: set[str]) -> bool:
+    """Whether ``name`` is one of ``names`` or lies below one."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+
+
+def _refuse_mixed(model: nn.Module, found: Layout, whole: list[str]) -> None:
+    """Raise naming the mode-dependent modules ``mode="eval"`` cannot hold: neither inside a
+    module the spec freezes whole, nor the adapter's own (inside a PEFT layer or wrapper)."""
+    inserted = {p.module for p in found.parts.values() if p.role != "base" and p.module}
+    held, trained = set(whole), {id(found.params[n]) for n in found.trains}
+    unheld = []
+    for name, module in model.named_modules():
+        if not reads_training(module) or _inside(name, held):
+            continue
+        mine = {id(p) for p in module.parameters()}
+        if _inside(name.rpartition(".")[0], inserted) or (mine and mine <= trained):
+            continue  # the adapter's own: its lora_dropout, a modules_to_save copy
+        unheld.append(f"{name} ({type(module).__name__})")
+    if unheld:
+        example = next(n for n in found.trains)
+        raise SpecError(
+            f"{_CALLER}: mode='eval' cannot hold {len(unheld)} mode-dependent modules in eval "
+            f"mode: {_listed(unheld)}; each reads .training in its own forward and holds "
+            f"tensors the adapter trains (as {example!r}), and a spec holds a module only by "
+            f"freezing all it holds. Fix: if their mode changes nothing (a dropout of 0, as "
+            f"attention_dropout=0.0), pass mixed='follow' to let them follow the model's mode; "
+            f"else set that dropout to 0 first, or put the adapter on modules that hold no "
+            f"mode-dependent layer"
+        )
 
 
 def _as_list(value: object) -> list[Any]:

@@ -54,7 +54,8 @@ class Fault:
 
     ``spec`` derives the spec from the model; ``optimizer``, when given, builds the optimizer
     from the model after the spec is applied (else each runner's usual one: AdamW over what
-    requires grad); ``loss`` takes the model and a batch.
+    requires grad); ``loss`` takes the model and a batch; ``after``, for a clean run, asserts
+    on the model once it has trained.
     """
 
     build: Callable[[int], nn.Module]
@@ -63,6 +64,7 @@ class Fault:
     loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = field(default=model_loss)
     spec: Callable[[nn.Module], IsolationSpec] = field(default=spec_for)
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    after: Callable[[nn.Module], None] | None = None
 
 
 Runner = Callable[[nn.Module, Fault, int, Path], None]

@@ -48,6 +48,8 @@ EMBED = "(model\\.)?base_model.model.model.embed_tokens.weight"
 LORA_A = r"(model\.)?base_model.model.model.layers.0.self_attn.q_proj.lora_A"
 DOWN = "base_model.model.model.layers.0.mlp.down_proj"
 TEACHER = r"(model\.)?teacher\.model\.embed_tokens\.weight"
+MLP = "base_model.model.model.layers.0.mlp"
+LORA_DROPOUT = "base_model.model.model.layers.0.self_attn.q_proj.lora_dropout.default"
 
 
 def _clean(seed: int, **kw: object) -> nn.Module:
@@ -58,6 +60,43 @@ def _clean(seed: int, **kw: object) -> nn.Module:
     )
     model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))
     return model
+
+
+class Seen(nn.Dropout):
+    """A dropout that records the mode of each of its forwards."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__(p)
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.training)
+        return super().forward(x)
+
+
+def _base_dropout(seed: int, *, attention: float = 0.0) -> nn.Module:
+    """A dropout inside the frozen base's ``act_fn`` (a layer without tensors), LoRA with its
+    own dropout, and the attention dropout of the layers LoRA adapts set to ``attention``."""
+    model = lora_llama(seed=seed, lora={"lora_dropout": 0.1})
+    mlp = model.get_submodule(MLP)
+    mlp.act_fn = nn.Sequential(mlp.act_fn, Seen())
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = attention
+    return model
+
+
+def _held_in_eval_lora_dropout_in_train(model: nn.Module) -> None:
+    """The base's dropout ran in eval mode at every forward, LoRA's in train mode."""
+    seen = model.get_submodule(MLP + ".act_fn.1").modes
+    assert seen and not any(seen), seen
+    lora = model.get_submodule(LORA_DROPOUT)
+    assert isinstance(lora, nn.Dropout) and lora.training
+
+
+def _train_again(model: nn.Module, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss after ``model.train()``, as a user's loop may call it after the spec applied."""
+    return model.train()(**data).loss  # type: ignore[no-any-return]
 
 
 def _reentrant(seed: int) -> nn.Module:
@@ -197,6 +236,20 @@ FAULTS = {
         r"'(model\.)?teacher\.model\.layers\.0\.self_attn'.* run in train mode",
         spec=_distill_spec(),
     ),
+    "frozen_base_dropout_held_in_eval": Fault(
+        _base_dropout,
+        loss=_train_again,
+        spec=lambda model: spec_for(model, mode="eval", mixed="follow"),
+        after=_held_in_eval_lora_dropout_in_train,
+    ),
+    "frozen_base_attention_dropout_under_an_adapter_in_train_mode": Fault(
+        lambda seed: _base_dropout(seed, attention=0.1),
+        SpecError,
+        r"mode='eval' cannot hold 2 mode-dependent modules in eval mode: "
+        r"\['base_model.model.model.layers.0.self_attn \(LlamaAttention\)'.*holds tensors the "
+        r"adapter trains.*Fix: .*mixed='follow'",
+        spec=lambda model: spec_for(model, mode="eval"),
+    ),
 }
 CLEAN = [f for f, planted in FAULTS.items() if planted.error is None]
 
@@ -219,6 +272,8 @@ def test_clean_runs_raise_nothing_over_five_seeds(runner: str, clean: str, tmp_p
         model = FAULTS[clean].build(seed)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         RUNNERS[runner]()(model, FAULTS[clean], seed, tmp_path / str(seed))
+        if FAULTS[clean].after is not None:
+            FAULTS[clean].after(model)
         moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
         expected = set(spec_for(model).contracts[0].select)
         assert any(".lora_B.default" in n for n in expected), expected

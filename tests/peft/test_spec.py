@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from isolate.errors import AdapterStateError, ContractError, IsolationTypeError
+from isolate.errors import AdapterStateError, ContractError, IsolationTypeError, SpecError
+from isolate.freezing import held_in_eval
 from isolate.peft import check_flags, layout, spec_for, what_trains
 from tests._llama import VOCAB, batch, lora_llama, tiny_llama, trainable
 
@@ -249,3 +250,37 @@ def test_what_trains_separates_flags_from_training() -> None:
     text = str(found)
     assert text.splitlines()[-1].startswith("flagged trainable ")
     assert f"idle    {head}" in text
+
+
+def test_mode_eval_holds_the_whole_frozen_modules_and_not_the_adapters_dropout() -> None:
+    """LoRA on the MLP only: the attention layers are frozen whole and held in eval mode
+    through ``model.train()``; LoRA's own dropout follows the model's mode."""
+    model = lora_llama(lora={"target_modules": ["gate_proj"], "lora_dropout": 0.1})
+    spec = spec_for(model, mode="eval")
+    attention = [f"base_model.model.model.layers.{i}.self_attn" for i in (0, 1)]
+    assert set(attention) <= set(spec.freeze)
+    handle = spec.apply(model)
+    try:
+        model.train()
+        assert held_in_eval(model) == tuple(attention)
+        lora = "base_model.model.model.layers.0.mlp.gate_proj.lora_dropout.default"
+        assert isinstance(model.get_submodule(lora), torch.nn.Dropout)
+        model(**batch())
+        assert not model.get_submodule(attention[0]).training
+        assert model.get_submodule(lora).training
+    finally:
+        handle.restore()
+    assert held_in_eval(model) == ()
+    assert spec_for(model).freeze == spec_for(model, mode=None).freeze  # names tensors only
+    assert not any(n.endswith("self_attn") for n in spec_for(model).freeze)
+
+
+def test_mode_eval_refuses_a_mixed_module_unless_told_to_let_it_follow() -> None:
+    model = lora_llama()  # LoRA on q_proj and v_proj, inside LlamaAttention
+    with pytest.raises(SpecError, match=r"^spec_for\(\): mode='eval' cannot hold 2 "):
+        spec_for(model, mode="eval")
+    spec = spec_for(model, mode="eval", mixed="follow")
+    assert not any(n.endswith("self_attn") for n in spec.freeze)
+    assert spec_for(model, mode="train").mode == "train"  # a mixed module follows anyway
+    with pytest.raises(SpecError, match=r"mixed must be 'error' or 'follow', got 'hold'"):
+        spec_for(model, mixed="hold")  # type: ignore[arg-type]
