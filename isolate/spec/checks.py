@@ -415,6 +415,21 @@ def checked_losses(
     return losses
 
 
+def _check_contracts(
+    contracts: ContractWatch,
+    losses: Mapping[str, torch.Tensor] | None,
+    total: torch.Tensor | Sequence[torch.Tensor] | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    checks: Collection[str],
+    when: str,
+) -> tuple[dict[str, int], list[IsolationError]]:
+    totals = None if total is None else [total] if torch.is_tensor(total) else list(total)
+    # The named losses' check before backward leaves what the optimizer step may move
+    # (optimizers, modes, drift) to the check after the step.
+    state = "drift" in checks or "losses" not in checks
+    return contracts.check(losses, totals, optimizers, when, state=state)
+
+
 def run_checks(
     plan: Plan,
     frozen: Mapping[str, nn.Parameter],
@@ -442,14 +457,8 @@ def run_checks(
     with shared_reruns():
         counts: dict[str, int] = {}
         if "losses" in checks and losses is not None:
-            counts, leaks = check_losses(
-                plan,
-                frozen,
-                checked_losses(plan, losses, branches.overflow, caller),
-                branches.inputs,
-                when,
-                caller,
-            )
+            named = checked_losses(plan, losses, branches.overflow, caller)
+            counts, leaks = check_losses(plan, frozen, named, branches.inputs, when, caller)
             found += leaks
         total, expected_unused = reach
         reached = 0
@@ -467,11 +476,7 @@ def run_checks(
             found += check_optimizers(frozen, optimizers, when, caller, thawed)
         kept: dict[str, int] = {}
         if "contracts" in checks and contracts:
-            totals = None if total is None else [total] if torch.is_tensor(total) else list(total)
-            # The named losses' check before backward leaves what the optimizer step may move
-            # (optimizers, modes, drift) to the check after the step.
-            state = "drift" in checks or "losses" not in checks
-            kept, broken = contracts.check(losses, totals, optimizers, when, state=state)
+            kept, broken = _check_contracts(contracts, losses, total, optimizers, checks, when)
             found = broken + found  # a method's clause says more than the generic check it implies
     ranks = world_size() if "ranks" in checks else 1
     if ranks > 1:  # every rank also learns what the others found: one verdict for all
