@@ -121,8 +121,8 @@ def resolve_named(target: object, model: nn.Module | None, caller: str) -> list[
     for index, item in enumerate(items):
         if isinstance(item, nn.Module):
             prefix = f"[{index}]." if several_modules else ""
-            for name, p, owner in _module_named(item, model, names_of, prefix, caller):
-                add(name, p, owner)
+            for name, tensor, owner in _module_named(item, model, names_of, prefix, caller):
+                add(name, tensor, owner)
         elif isinstance(item, torch.Tensor):
             known = names_of.get(id(item))
             if known:

@@ -446,8 +446,7 @@ def _record(
     for name, kind, t, strong in chosen:
         local = local_tensor(t)
         if id(t) not in saved:
-            kept = local.clone() if device is None else local.to(device, copy=True)
-            saved[id(t)] = (kept, None)
+            saved[id(t)] = (local.clone() if device is None else local.to(device, copy=True), None)
         kept, print_ = saved[id(t)]
         shape, held = tuple(local.shape), t if strong else None
         entries.append(
