@@ -22,7 +22,6 @@ from isolate._walker import Names
 from isolate.cutoff import cut_off_parameters
 from isolate.drift import Snapshot, snapshot
 from isolate.errors import (
-    BlindSpotError,
     CutOffError,
     DriftError,
     GradientLeakError,
@@ -224,16 +223,6 @@ def check_reach(
             CutOffError(
                 f"{caller}: {when}, {result}\nFix: connect them to the loss, freeze them if "
                 f"they are not meant to learn, or declare them with expected_unused="
-            )
-        )
-    elif result.unseen:
-        found.append(
-            BlindSpotError(
-                f"{caller}: {when}, cannot tell whether {len(result.unseen)} trainable "
-                f"parameters are reached: {shown(result.unseen)}; the loss's graph holds a "
-                f"reentrant checkpoint, which re-runs code in backward that the graph does not "
-                f"show. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
-                f"list them in expected_unused="
             )
         )
     return result.trainable, found
