@@ -30,6 +30,8 @@ __all__ = [
 
 ParameterFilter = Literal["all", "frozen", "trainable", "none"]
 _FILTERS = ("all", "frozen", "trainable", "none")
+Drift = Literal["copy", "fingerprint"]
+_DRIFT = ("copy", "fingerprint")
 
 
 def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
@@ -87,8 +89,9 @@ class Snapshot:
 
     Attributes:
         names: every name recorded, parameters first, in model order.
-        copies: whether the snapshot holds copies (``changed()`` gives the size of a change)
-            or only fingerprints (``changed()`` gives ``nan``: changed, size unknown).
+        drift: ``"copy"``: the snapshot holds copies (``changed()`` gives the size of a
+            change); ``"fingerprint"``: only fingerprints (``changed()`` gives ``nan``:
+            changed, size unknown).
     """
 
     def __init__(
@@ -96,19 +99,19 @@ class Snapshot:
         entries: list[_Entry],
         module: nn.Module | None,
         description: str,
-        copies: bool,
+        drift: Drift,
         device: torch.device | str | None = "cpu",
     ) -> None:
         self._entries = entries
         self._module = module
         self._description = description
         self._device = device
-        self.copies = copies
+        self.drift = drift
         self.names: tuple[str, ...] = tuple(e.name for e in entries)
 
     def __repr__(self) -> str:
         kinds = [e.kind for e in self._entries]
-        mode = "" if self.copies else ", fingerprints"
+        mode = "" if self.drift == "copy" else ", fingerprints"
         return (
             f"Snapshot({self._description}: {kinds.count('parameter')} parameters, "
             f"{kinds.count('buffer')} buffers{mode})"
@@ -129,16 +132,16 @@ class Snapshot:
         """A snapshot of the same names, kept the same way, from their values now.
 
         >>> model = nn.Linear(2, 1)
-        >>> snap = snapshot(model, copy=False)
+        >>> snap = snapshot(model, drift="fingerprint")
         >>> with torch.no_grad():
         ...     _ = model.bias.add_(1.0)
         >>> list(snap.changed()), snap.renewed().changed()
         (['bias'], {})
         """
         if self._module is not None:
-            return snapshot(self._module, names=self.names, copy=self.copies, device=self._device)
+            return snapshot(self._module, names=self.names, drift=self.drift, device=self._device)
         held = {e.name: e.held for e in self._entries if e.held is not None}
-        return snapshot(held, copy=self.copies, device=self._device)
+        return snapshot(held, drift=self.drift, device=self._device)
 
     def _current(self) -> dict[str, torch.Tensor]:
         if self._module is None:
@@ -175,7 +178,7 @@ class Snapshot:
 
         A tensor that is gone, or whose shape changed, reports ``inf``; NaN where there was a
         number (or the other way round) reports ``nan``. A fingerprint snapshot
-        (``copy=False``) knows that a tensor changed, not by how much: every changed tensor
+        (``drift="fingerprint"``) knows that a tensor changed, not by how much: every changed tensor
         reports ``nan`` (test with ``math.isnan``; ``nan > 0`` is False), except ``inf`` for
         one that is gone or changed shape.
 
@@ -188,7 +191,7 @@ class Snapshot:
 
         >>> model = nn.Linear(2, 1)
         >>> _ = nn.init.zeros_(model.bias)
-        >>> snap, prints = snapshot(model), snapshot(model, copy=False)
+        >>> snap, prints = snapshot(model), snapshot(model, drift="fingerprint")
         >>> with torch.no_grad():
         ...     _ = model.bias.add_(0.5)
         >>> snap.changed(), prints.changed()
@@ -215,10 +218,10 @@ class Snapshot:
     def _check_atol(self, caller: str, atol: float) -> None:
         if not isinstance(atol, (int, float)) or not atol >= 0:
             raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
-        if atol and not self.copies:
+        if atol and self.drift != "copy":
             raise IsolationTypeError(
                 f"{caller}: atol={atol} needs the size of a change, which a fingerprint "
-                "snapshot does not know; take snapshot(..., copy=True) to allow a tolerance"
+                "snapshot does not know; take snapshot(..., drift='copy') to allow a tolerance"
             )
 
     def assert_unchanged(self, *, atol: float = 0.0) -> None:
@@ -235,7 +238,7 @@ class Snapshot:
             IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot.
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-        >>> snap = snapshot(model, copy=False)
+        >>> snap = snapshot(model, drift="fingerprint")
         >>> _ = model(torch.randn(4, 2))  # train mode: BatchNorm updates its statistics
         >>> snap.assert_unchanged()
         Traceback (most recent call last):
@@ -255,7 +258,9 @@ class Snapshot:
             elif tuple(local_tensor(now).shape) != entry.shape:
                 detail = f"changed shape {entry.shape} -> {tuple(local_tensor(now).shape)}"
             elif entry.saved is None:
-                detail = "changed (fingerprint differs; snapshot(..., copy=True) tells by how much)"
+                detail = (
+                    "changed (fingerprint differs; snapshot(..., drift='copy') tells by how much)"
+                )
             else:
                 diff = moved_elements(entry.saved, now, atol)
                 detail = f"max|Δ|={delta:.3e} in {diff} of {entry.saved.numel()} elements"
@@ -294,7 +299,7 @@ def snapshot(
     parameters: ParameterFilter = "all",
     buffers: bool = True,
     names: Iterable[str] | None = None,
-    copy: bool = True,
+    drift: Drift = "copy",
     device: torch.device | str | None = "cpu",
 ) -> Snapshot:
     """Record parameters and buffers now, to tell later by name what changed.
@@ -308,13 +313,14 @@ def snapshot(
         buffers: whether to record the module's buffers.
         names: instead of the two filters above, exactly these parameter and buffer names
             of the module. Each is looked up by name at every check.
-        copy: ``True`` keeps a copy of every tensor, so ``changed()`` tells by how much it
-            moved (memory: the size of what is recorded). ``False`` keeps a 128-bit
-            :func:`fingerprint` of each instead: any change of any bit is still caught, for
-            O(number of tensors) memory and about one read of the weights per check, but
-            ``changed()`` reports ``nan`` for the size.
+        drift: how a change is recorded: ``"copy"`` keeps a copy of every tensor, so
+            ``changed()`` tells by how much it moved (memory: the size of what is recorded);
+            ``"fingerprint"`` keeps a 128-bit :func:`fingerprint` of each instead: any change
+            of any bit is still caught, for O(number of tensors) memory and about one read of
+            the weights per check, but ``changed()`` reports ``nan`` for the size. The same
+            choice as ``IsolationSpec.apply(..., drift=)``.
         device: where copies live; ``None`` keeps each on its tensor's device (faster, but
-            costs accelerator memory). Unused with ``copy=False``.
+            costs accelerator memory). Unused with ``drift="fingerprint"``.
 
     Returns:
         A :class:`Snapshot`; call ``.changed()`` or ``.assert_unchanged()`` on it later.
@@ -323,7 +329,8 @@ def snapshot(
         IsolationTypeError: ``target`` is neither a module nor a mapping of tensors, or
             ``names`` is given with a mapping.
         SelectorError: ``parameters`` is not one of the filters above, ``names`` names no
-            parameter or buffer of the module, or comes with a filter.
+            parameter or buffer of the module, or comes with a filter, or ``drift`` is
+            neither ``"copy"`` nor ``"fingerprint"``.
 
     Note:
         ``requires_grad=False`` is not enough to keep a parameter still: an optimizer moves a
@@ -353,12 +360,16 @@ def snapshot(
         raise SelectorError(
             f"{caller}: parameters={parameters!r} is not a filter; expected one of {list(_FILTERS)}"
         )
+    if drift not in _DRIFT:
+        raise SelectorError(
+            f"{caller}: drift={drift!r} is not a way to record; expected one of {list(_DRIFT)}"
+        )
     if isinstance(target, nn.Module):
         chosen = _module_tensors(target, parameters, buffers, names, caller)
-        return _record(chosen, type(target).__name__, target, copy, device)
+        return _record(chosen, type(target).__name__, target, drift, device)
     if isinstance(target, Mapping):
         chosen = _mapping_tensors(target, names, caller)
-        return _record(chosen, f"{len(chosen)} named tensors", None, copy, device)
+        return _record(chosen, f"{len(chosen)} named tensors", None, drift, device)
     raise IsolationTypeError(
         f"{caller}: target must be a torch.nn.Module or a mapping of names to tensors, got "
         f"{type(target).__name__}; e.g. snapshot(model) or snapshot(dict(model.named_buffers()))"
@@ -433,13 +444,13 @@ def _record(
     chosen: list[_Chosen],
     description: str,
     module: nn.Module | None,
-    copy: bool,
+    drift: Drift,
     device: torch.device | str | None,
 ) -> Snapshot:
     """A :class:`Snapshot` of ``chosen``: a copy or a fingerprint of each tensor, one per
     tensor object (aliases, tied weights and shared buffers, share it)."""
     saved: dict[int, tuple[torch.Tensor | None, Print | None]] = {}
-    if not copy:
+    if drift == "fingerprint":
         prints = fingerprints(t for _, _, t, _ in chosen)
         saved.update((i, (None, fp)) for i, fp in prints.items())
     entries = []
@@ -452,4 +463,4 @@ def _record(
         entries.append(
             _Entry(name, kind, kept, print_, shape, local.dtype, local.layout, id(t), held)
         )
-    return Snapshot(entries, module, description, copy, device)
+    return Snapshot(entries, module, description, drift, device)

@@ -20,7 +20,7 @@ from isolate._sharding import check_leaves
 from isolate._text import shown
 from isolate._walker import Names
 from isolate.cutoff import cut_off_parameters
-from isolate.drift import Snapshot, snapshot
+from isolate.drift import Drift, Snapshot, snapshot
 from isolate.errors import (
     CutOffError,
     DriftError,
@@ -154,13 +154,13 @@ def watch(
     frozen: Mapping[str, nn.Parameter],
     norms: Mapping[str, nn.Module],
     *,
-    copy: bool = False,
+    drift: Drift = "fingerprint",
 ) -> Snapshot:
     """A :func:`~isolate.drift.snapshot` of the ``frozen`` parameters, and of the buffers of the
     held ``norms`` when the spec holds BatchNorm in eval mode, by ``state_dict`` key.
 
     Fingerprints by default: any change of any bit is caught for O(number of tensors) memory,
-    but not its size. With ``copy=True`` copies live in host memory (a frozen backbone does
+    but not its size. With ``drift="copy"`` copies live in host memory (a frozen backbone does
     not cost accelerator memory twice) and a report gives the largest change.
     """
     buffers = (
@@ -175,7 +175,7 @@ def watch(
     )
     moving = plan.moving  # an EMA target is frozen to gradients, but moves by its rule
     return snapshot(
-        plan.model, names=[n for n in [*frozen, *buffers] if n not in moving], copy=copy
+        plan.model, names=[n for n in [*frozen, *buffers] if n not in moving], drift=drift
     )
 
 

@@ -175,7 +175,7 @@ class Window:
 
     def open(self, step: int, model: nn.Module, names: Iterable[str]) -> None:
         if self.start is None:
-            self.start, self._snap = step, snapshot(model, names=list(names), copy=False)
+            self.start, self._snap = step, snapshot(model, names=list(names), drift="fingerprint")
 
     def due(self, step: int, within: int) -> bool:
         return self.start is not None and step - self.start >= within
@@ -284,7 +284,9 @@ class Teacher(Clauses):
             for b in m.buffers(recurse=False)
             if id(b) in names.of_id and names.of_id[id(b)] not in buffers
         ]
-        self.snap: Snapshot | None = snapshot(model, names=[*self.params, *buffers], copy=False)
+        self.snap: Snapshot | None = snapshot(
+            model, names=[*self.params, *buffers], drift="fingerprint"
+        )
 
     def graph(self, ctx: Context) -> list[Outcome]:
         return no_loss_reaches(ctx, self.contract, "no loss reaches it", self.params)

@@ -61,7 +61,7 @@ class Verifier:
             self.plan,
             self.thaws.frozen_parameters(),
             self.thaws.frozen_norms(),
-            copy=self.drift == "copy",
+            drift=self.drift,
         )
 
     def renew(self) -> None:

@@ -123,7 +123,7 @@ def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     assert memory["baseline_s"] == sum(
         p.numel() * p.element_size() for p in transformer(2, 64, 4).parameters()
     )
-    assert memory["extra"]["snapshot(copy=True) extra MB"] >= 0
+    assert memory["extra"]["snapshot(drift='copy') extra MB"] >= 0
     callback = rows["callback verification vs training step"]
     assert callback["name"].endswith("checks every 50 steps (amortised)")
     assert callback["extra"]["check / one step"] > 0
