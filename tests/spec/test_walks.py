@@ -50,7 +50,8 @@ def upward(chain: list[str]) -> list[str]:
     """The steps of ``chain`` that are not an import of the caller's (or that the callee
     imports back)."""
     edges = graph(ISOLATE)
-    return [f"{a} -> {b}" for a, b in zip(chain, chain[1:]) if b not in edges[a] or a in edges[b]]
+    steps = itertools.pairwise(chain)
+    return [f"{a} -> {b}" for a, b in steps if b not in edges[a] or a in edges[b]]
 
 
 def applied() -> tuple[nn.Module, torch.optim.Optimizer, IsolationHandle]:
