@@ -310,11 +310,10 @@ def _cut_off(
 ) -> list[Check]:
     cut = record.get("cut_off")
     found = list((cut or {}).get("parameters") or {})
-    unseen = list((cut or {}).get("unseen") or [])
     if cut is None:
         observed = "not audited"
-    elif found or unseen:
-        observed = ", ".join(found) + (f"; cannot be seen: {', '.join(unseen)}" if unseen else "")
+    elif found:
+        observed = ", ".join(found)
     else:
         observed = f"none of {cut.get('trainable')} trainable"
     if expect == "none":
@@ -324,7 +323,7 @@ def _cut_off(
                 "no trainable parameter is cut off from the loss at step 0 (graph audit)",
                 "none",
                 observed,
-                cut is not None and not found and not unseen,
+                cut is not None and not found,
             )
         ]
     if isinstance(expect, str) or not expect or not all(isinstance(e, str) for e in expect):
@@ -336,7 +335,7 @@ def _cut_off(
             "exactly these parameters are cut off from the loss at step 0 (graph audit)",
             ", ".join(expect),
             observed,
-            cut is not None and not unseen and sorted(found) == sorted(expect),
+            cut is not None and sorted(found) == sorted(expect),
         ),
         check(
             name,

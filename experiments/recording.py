@@ -301,7 +301,6 @@ class Recorder(pl.Callback):
             "step": trainer.global_step,
             "trainable": cut.trainable,
             "parameters": dict(cut.parameters),
-            "unseen": list(cut.unseen),
         }
         # This process's shard of each (the whole tensor without sharding); compared at the
         # end with the same shard, and the verdict is reduced over the processes.

@@ -381,10 +381,6 @@ def _cut_off(entries: Sequence[Entry], results: dict[str, Any], output: Path) ->
         for parameter, reason in cut["parameters"].items():
             by_reason.setdefault(reason, []).append(parameter)
         reasons += [[name, ", ".join(names), why] for why, names in by_reason.items()]
-        if cut.get("unseen"):
-            reasons.append(
-                [name, ", ".join(cut["unseen"]), "cannot be seen (reentrant checkpoint)"]
-            )
     header = [
         "run",
         "trainable parameters",
@@ -447,7 +443,6 @@ def _cut_off_of(record: dict[str, Any]) -> Any:
         return None
     return CutOff(
         parameters=dict(cut["parameters"]),
-        unseen=tuple(cut.get("unseen") or ()),
         trainable=int(cut["trainable"]),
     )
 

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -278,14 +278,10 @@ def run_suite(
     Raises:
         ValueError: ``only`` names an unknown variant, or both ``ddp`` and ``fsdp`` are set.
     """
-    from experiments import report
-
     if ddp and fsdp:
         raise ValueError("ddp and fsdp are two strategies: choose one")
     start = time.perf_counter()
-    quiet_known_noise()
-    # Every run prints "Seed set to 0"; the report states the seed once.
-    logging.getLogger("lightning_fabric.utilities.seed").setLevel(logging.WARNING)
+    _quiet()
     chosen = select(discover() if variants is None else variants, only)
     output = output.resolve()
     runs = output / "runs"
@@ -294,22 +290,69 @@ def run_suite(
     data = _prepare_data(root, cache_dir, download, dataset)
     print(f"suite: {len(chosen)} runs into {display_path(output)}", flush=True)
     print(f"data: {data['note']}", flush=True)
-    builtin = (
-        [PRESETS / "quick.yaml"] * quick
-        + [PRESETS / "ddp.yaml"] * ddp
-        + [PRESETS / "fsdp.yaml"] * fsdp
-    )
+    chosen_presets = (("quick", quick), ("ddp", ddp), ("fsdp", fsdp))
+    builtin = [PRESETS / f"{name}.yaml" for name, on in chosen_presets if on]
     presets = [*builtin, *(Path(c).resolve() for c in configs)]
     strategy = _strategy([BASE_PRESET, *presets], overrides)
-    devices = _setting([BASE_PRESET, *presets], overrides, "devices")
+    every_run = [*_data_args(data, dataset, cache_dir), *overrides]
+    records, skipped, timings = _run_all(
+        chosen, runs, strategy, presets, every_run, threads=threads, progress_bar=progress_bar
+    )
+    results: dict[str, Any] = {
+        "setup": {
+            "quick": quick,
+            "ddp": ddp,
+            "fsdp": fsdp,
+            "strategy": strategy or "auto",
+            "devices": _setting([BASE_PRESET, *presets], overrides, "devices"),
+            "presets": [_relative(p) for p in (*builtin, *map(Path, configs))],
+            "overrides": list(overrides),
+            "threads": threads,
+            **_versions(),
+            "data": data,
+        },
+        "variants": {v.name: v.declaration() for v in chosen},
+        "runs": records,
+        "skipped": skipped,
+        "trunk_vs_reference": _compare_trunks(runs, chosen, records),
+    }
+    results["checks"] = evaluate_checks(results)
+    _finish(results, output, time.perf_counter() - start, timings)
+    return results
+
+
+def _quiet() -> None:
+    quiet_known_noise()
+    # Every run prints "Seed set to 0"; the report states the seed once.
+    logging.getLogger("lightning_fabric.utilities.seed").setLevel(logging.WARNING)
+
+
+def _data_args(data: Mapping[str, Any], dataset: str, cache_dir: str | None) -> list[str]:
+    """The data options of every run: the prepared root, no download."""
     # Runs share the suite's working directory (subprocesses too), so a relative root holds.
-    data_args = [
+    args = [
         f"--data.data_root={data['data_root']}",
         "--data.download=false",
         f"--data.dataset={dataset}",
     ]
     if cache_dir is not None:
-        data_args.append(f"--data.cache_dir={display_path(cache_dir)}")
+        args.append(f"--data.cache_dir={display_path(cache_dir)}")
+    return args
+
+
+def _run_all(
+    chosen: Sequence[Variant],
+    runs: Path,
+    strategy: str,
+    presets: Sequence[Path],
+    overrides: Sequence[str],
+    *,
+    threads: int | None,
+    progress_bar: bool,
+) -> tuple[dict[str, dict[str, Any]], dict[str, str], dict[str, dict[str, float | None]]]:
+    """Run ``chosen`` in order (skipping what ``strategy`` cannot run); the records, the
+    skipped runs with why, and the timings. Torch's threads and ``OMP_NUM_THREADS`` are
+    restored afterwards."""
     previous_threads = torch.get_num_threads()
     previous_omp = os.environ.get("OMP_NUM_THREADS")
     records: dict[str, dict[str, Any]] = {}
@@ -323,17 +366,13 @@ def run_suite(
                 skipped[variant.name] = f"not run under {strategy}: {reason}"
                 print(f"    skipped: {skipped[variant.name]}", flush=True)
                 continue
-            reference = None
-            if variant.compare_with is not None:
-                candidate = runs / variant.compare_with / GRADS_FILE
-                reference = candidate if candidate.exists() else None
             run_start = time.perf_counter()
             record = run_variant(
                 variant,
                 runs / variant.name,
                 presets=presets,
-                overrides=[*data_args, *overrides],
-                reference=reference,
+                overrides=overrides,
+                reference=_reference(runs, variant),
                 save_grads=variant.reference,
                 progress_bar=progress_bar,
                 threads=threads,
@@ -342,11 +381,7 @@ def run_suite(
                 "fit": record.get("seconds"),  # measured by the Recorder, from fit start to end
                 "run": time.perf_counter() - run_start,  # with building, testing, writing
             }
-            expected = ""
-            if variant.expect_error is not None:
-                hit = record.get("error", {}).get("type") == variant.expect_error
-                expected = " (expected)" if hit else f" (expected {variant.expect_error})"
-            print(f"    {summary_line(record)}{expected}", flush=True)
+            print(f"    {summary_line(record)}{_expected(variant, record)}", flush=True)
             record.pop("seconds", None)  # in timings.json, not in the report
             records[variant.name] = record
     finally:
@@ -355,42 +390,48 @@ def run_suite(
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = previous_omp
-    results: dict[str, Any] = {
-        "setup": {
-            "quick": quick,
-            "ddp": ddp,
-            "fsdp": fsdp,
-            "strategy": strategy or "auto",
-            "devices": devices,
-            "presets": [_relative(p) for p in (*builtin, *map(Path, configs))],
-            "overrides": list(overrides),
-            "threads": threads,
-            "torch": torch.__version__,
-            "lightning": _lightning_version(),
-            "data": data,
-        },
-        "variants": {v.name: v.declaration() for v in chosen},
-        "runs": records,
-        "skipped": skipped,
-        "trunk_vs_reference": _compare_trunks(runs, chosen, records),
-    }
-    results["checks"] = evaluate_checks(results)
-    written = report.write_report(results, output)
-    seconds = time.perf_counter() - start
+    return records, skipped, timings
+
+
+def _reference(runs: Path, variant: Variant) -> Path | None:
+    """The gradients file of the run ``variant`` is compared with, once that has run."""
+    if variant.compare_with is None:
+        return None
+    candidate = runs / variant.compare_with / GRADS_FILE
+    return candidate if candidate.exists() else None
+
+
+def _expected(variant: Variant, record: Mapping[str, Any]) -> str:
+    """What the summary line adds for a variant that expects an error."""
+    if variant.expect_error is None:
+        return ""
+    hit = record.get("error", {}).get("type") == variant.expect_error
+    return " (expected)" if hit else f" (expected {variant.expect_error})"
+
+
+def _finish(
+    results: dict[str, Any],
+    output: Path,
+    seconds: float,
+    timings: Mapping[str, Mapping[str, float | None]],
+) -> None:
+    """Write the report and the timings into ``output``; print the outcome."""
+    from experiments import report
+
+    written = report.write_report(results, output)[0]
     (output / TIMINGS_FILE).write_text(
         json.dumps({"seconds": seconds, "runs": timings}, indent=1) + "\n"
     )
     failed = [c for c in results["checks"] if not c["ok"]]
     print(
         f"suite: {len(results['checks']) - len(failed)}/{len(results['checks'])} checks "
-        f"passed in {seconds:.0f} s; report: {display_path(written[0])}",
+        f"passed in {seconds:.0f} s; report: {display_path(written)}",
         flush=True,
     )
     for check in failed:
         print(f"  FAILED {check['variant']}: {check['check']}: {check['observed']}", flush=True)
-    for name, reason in skipped.items():
+    for name, reason in results["skipped"].items():
         print(f"  SKIPPED {name}: {reason}", flush=True)
-    return results
 
 
 def _relative(path: Path) -> str:
@@ -401,10 +442,10 @@ def _relative(path: Path) -> str:
         return display_path(path)
 
 
-def _lightning_version() -> str:
+def _versions() -> dict[str, str]:
     import pytorch_lightning as pl
 
-    return pl.__version__
+    return {"torch": torch.__version__, "lightning": pl.__version__}
 
 
 def _compare_trunks(

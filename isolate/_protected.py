@@ -3,7 +3,7 @@ tensors (every name of a tied parameter)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -77,6 +77,31 @@ def _is_pair(obj: object) -> TypeGuard[tuple[str, torch.Tensor]]:
     )
 
 
+def _module_named(
+    item: nn.Module,
+    model: nn.Module | None,
+    names_of: Mapping[int, list[str]],
+    prefix: str,
+    caller: str,
+) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """The parameters of the module ``item`` as (name, tensor, owner): named as in ``model``
+    (every alias) when given, else by ``prefix`` and their name in ``item``."""
+    if model is None:
+        for name, p in item.named_parameters(remove_duplicate=False):
+            yield prefix + name, p, _owner(item, prefix + name, prefix)
+        return
+    prefixes = [n for n, m in model.named_modules(remove_duplicate=False) if m is item]
+    if not prefixes:
+        raise SelectorError(
+            f"{caller}: the {type(item).__name__} passed is not a submodule of "
+            f"{describe(model)}; pass one of its own modules, or leave out model="
+        )
+    start = prefixes[0] + "." if prefixes[0] else ""
+    for name, p in item.named_parameters(remove_duplicate=False):
+        for full in names_of.get(id(p), [start + name]):
+            yield full, p, _owner(model, full)
+
+
 def resolve_named(target: object, model: nn.Module | None, caller: str) -> list[_Named]:
     """Turn a :data:`Protected` value into named tensors, every alias listed, no repeats."""
     if model is not None:
@@ -95,21 +120,9 @@ def resolve_named(target: object, model: nn.Module | None, caller: str) -> list[
 
     for index, item in enumerate(items):
         if isinstance(item, nn.Module):
-            if model is not None:
-                prefixes = [n for n, m in model.named_modules(remove_duplicate=False) if m is item]
-                if not prefixes:
-                    raise SelectorError(
-                        f"{caller}: the {type(item).__name__} passed is not a submodule of "
-                        f"{describe(model)}; pass one of its own modules, or leave out model="
-                    )
-                prefix = prefixes[0] + "." if prefixes[0] else ""
-                for name, p in item.named_parameters(remove_duplicate=False):
-                    for full in names_of.get(id(p), [prefix + name]):
-                        add(full, p, _owner(model, full))
-            else:
-                prefix = f"[{index}]." if several_modules else ""
-                for name, p in item.named_parameters(remove_duplicate=False):
-                    add(prefix + name, p, _owner(item, prefix + name, prefix))
+            prefix = f"[{index}]." if several_modules else ""
+            for name, tensor, owner in _module_named(item, model, names_of, prefix, caller):
+                add(name, tensor, owner)
         elif isinstance(item, torch.Tensor):
             known = names_of.get(id(item))
             if known:

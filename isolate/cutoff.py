@@ -28,7 +28,7 @@ from isolate._autograd import Losses, Walk, check_losses, walk
 from isolate._checkpointing import recomputing
 from isolate._selectors import Selector, check_module, select
 from isolate._sharding import check_leaves
-from isolate.errors import BlindSpotError, CutOffError, IsolationTypeError
+from isolate.errors import CutOffError, IsolationTypeError
 
 __all__ = ["CutOff", "ForwardTrace", "assert_reached", "cut_off_parameters", "trace_forward"]
 
@@ -206,23 +206,19 @@ class CutOff:
     Attributes:
         parameters: parameter name -> why it is cut off (with the fix where one is known),
             in model order. A tied parameter appears under every one of its names.
-        unseen: parameters the walk cannot tell about either way. Empty: the walk re-runs
-            reentrant checkpoints and reads compiled regions' backward graphs, and raises
-            :class:`~isolate.errors.BlindSpotError` where it cannot.
         expected_unused: parameters declared unused with ``expected_unused=`` that no loss
             reached; they are not cut off.
         trainable: how many trainable parameter names were checked.
     """
 
     parameters: Mapping[str, str]
-    unseen: tuple[str, ...] = ()
     expected_unused: tuple[str, ...] = ()
     trainable: int = 0
 
     @property
     def clean(self) -> bool:
         """True when every trainable parameter is reached or expected to be unused."""
-        return not self.parameters and not self.unseen
+        return not self.parameters
 
     def __str__(self) -> str:
         lines = [
@@ -234,13 +230,6 @@ class CutOff:
             by_reason.setdefault(reason, []).append(name)
         for reason, names in by_reason.items():
             lines.append(f"  {', '.join(names)}: {reason}")
-        if self.unseen:
-            lines.append(
-                f"{len(self.unseen)} cannot be seen: {', '.join(self.unseen)} may be used "
-                f"inside a reentrant checkpoint, which re-runs code in backward that the graph "
-                f"does not show; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
-                f"to make them visible"
-            )
         if self.expected_unused:
             lines.append(f"expected unused: {', '.join(self.expected_unused)}")
         return "\n".join(lines)
@@ -363,7 +352,6 @@ def _cut_off(
                     entries.append((c.order, _shown(*modules[key])))
         entries.sort()
     parameters: dict[str, str] = {}
-    unseen: list[str] = []
     expected: list[str] = []
     reasons: dict[int, str] = {}
     for name, p in missing:
@@ -379,7 +367,7 @@ def _cut_off(
             if id(p) not in reasons:
                 reasons[id(p)] = _diagnose(owners.get(id(p), []), trace, found, entries)
             parameters[name] = reasons[id(p)]
-    return CutOff(parameters, tuple(unseen), tuple(expected), trainable=len(named))
+    return CutOff(parameters, tuple(expected), trainable=len(named))
 
 
 def cut_off_parameters(
@@ -443,7 +431,6 @@ def assert_reached(
     *,
     expected_unused: Selector | Sequence[Selector] = (),
     trace: ForwardTrace | None = None,
-    allow_unseen: bool = False,
 ) -> None:
     """Raise unless every trainable parameter of ``model`` is reached by some loss.
 
@@ -452,8 +439,6 @@ def assert_reached(
         model: as in :func:`cut_off_parameters`.
         expected_unused: as in :func:`cut_off_parameters`.
         trace: as in :func:`cut_off_parameters`.
-        allow_unseen: accept parameters listed under :attr:`CutOff.unseen` (none: the
-            walk raises where it cannot see).
 
     Raises:
         CutOffError: trainable parameters get no gradient from any loss; the message names
@@ -479,13 +464,4 @@ def assert_reached(
             f"{caller}: {result}\nFix: connect them to the loss, freeze them "
             f"(isolate.freeze) if they are not meant to learn, or declare them with "
             f"expected_unused= if they are unused on this step by design"
-        )
-    if result.unseen and not allow_unseen:
-        raise BlindSpotError(
-            f"{caller}: cannot tell whether {len(result.unseen)} of {result.trainable} "
-            f"trainable parameters are reached: {', '.join(result.unseen)}; the graph holds a "
-            f"reentrant checkpoint (CheckpointFunctionBackward), which re-runs code in "
-            f"backward that the graph does not show. Fix: use "
-            f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or pass "
-            f"allow_unseen=True to accept what the walk cannot see"
         )

@@ -2,8 +2,6 @@
 
 :func:`snapshot` records a model's parameters and buffers (a copy, or only a
 :func:`fingerprint` of each); the returned :class:`Snapshot` tells by name what changed since.
-:func:`optimizer_exposure` finds the frozen parameters an optimizer still holds, and why a step
-could move them anyway.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from isolate._delta import abs_difference, moved_elements, sparse_abs_difference, to_coo
 from isolate._sharding import canonical_parameters
 from isolate._walker import Names
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
@@ -31,44 +30,8 @@ __all__ = [
 
 ParameterFilter = Literal["all", "frozen", "trainable", "none"]
 _FILTERS = ("all", "frozen", "trainable", "none")
-
-
-def _to_coo(t: torch.Tensor) -> torch.Tensor:
-    t = local_tensor(t)
-    if t.layout != torch.sparse_coo:
-        t = t.to_sparse()  # CSR/CSC/BSR/BSC and dense alike
-    return t.coalesce()
-
-
-def _widen(t: torch.Tensor) -> torch.Tensor:
-    if not (t.is_floating_point() or t.is_complex()):
-        return t.to(torch.int64)  # float64 would round 2**61 - 1 and 2**61 - 2 alike
-    return t.to(torch.complex128 if t.is_complex() else torch.float64)
-
-
-def _delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """|new - old| per element in float64, zero exactly where the two are equal (NaN in both
-    places counts as equal). Integers are subtracted as integers."""
-    a, b = _widen(old), _widen(new)
-    if a.dtype == b.dtype == torch.int64:
-        d = b - a  # wraps modulo 2**64 when |b - a| >= 2**63
-        size = d.to(torch.float64).abs()
-        return torch.where((d < 0) != (b < a), 2.0**64 - size, size)
-    if a.dtype != b.dtype:
-        a, b = a.to(torch.complex128), b.to(torch.complex128)
-    diff = (b - a).abs()
-    both_nan = a.isnan() & b.isnan()
-    return diff.masked_fill(both_nan, 0.0) if bool(both_nan.any()) else diff
-
-
-def _sparse_delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """The stored entries of ``new - old`` for sparse tensors, as float64 magnitudes (nonzero
-    wherever the two differ)."""
-    a, b = _widen(_to_coo(old)), _widen(_to_coo(new))
-    if a.dtype != b.dtype:
-        a, b = a.to(torch.complex128), b.to(torch.complex128)
-    values = (b - a).coalesce().values()
-    return values.to(torch.complex128 if values.is_complex() else torch.float64).abs()
+Drift = Literal["copy", "fingerprint"]
+_DRIFT = ("copy", "fingerprint")
 
 
 def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
@@ -86,17 +49,17 @@ def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
     if old.shape != new.shape:
         return math.inf
     if old.layout != torch.strided or new.layout != torch.strided:
-        a, b = _to_coo(old), _to_coo(new.to(old.device))
+        a, b = to_coo(old), to_coo(new.to(old.device))
         if a.indices().shape == b.indices().shape and torch.equal(a.indices(), b.indices()):
             return max_abs_diff(a.values(), b.values())
-        delta = _sparse_delta(a, b)
-        return float(delta.max()) if delta.numel() else 0.0
+        moved = sparse_abs_difference(a, b)
+        return float(moved.max()) if moved.numel() else 0.0
     if old.numel() == 0:
         return 0.0
     new = new.to(old.device)
     if torch.equal(old, new):
         return 0.0
-    return float(_delta(old, new).max())
+    return float(abs_difference(old, new).max())
 
 
 @dataclass(frozen=True)
@@ -126,8 +89,9 @@ class Snapshot:
 
     Attributes:
         names: every name recorded, parameters first, in model order.
-        copies: whether the snapshot holds copies (``changed()`` gives the size of a change)
-            or only fingerprints (``changed()`` gives ``nan``: changed, size unknown).
+        drift: ``"copy"``: the snapshot holds copies (``changed()`` gives the size of a
+            change); ``"fingerprint"``: only fingerprints (``changed()`` gives ``nan``:
+            changed, size unknown).
     """
 
     def __init__(
@@ -135,19 +99,19 @@ class Snapshot:
         entries: list[_Entry],
         module: nn.Module | None,
         description: str,
-        copies: bool,
+        drift: Drift,
         device: torch.device | str | None = "cpu",
     ) -> None:
         self._entries = entries
         self._module = module
         self._description = description
         self._device = device
-        self.copies = copies
+        self.drift = drift
         self.names: tuple[str, ...] = tuple(e.name for e in entries)
 
     def __repr__(self) -> str:
         kinds = [e.kind for e in self._entries]
-        mode = "" if self.copies else ", fingerprints"
+        mode = "" if self.drift == "copy" else ", fingerprints"
         return (
             f"Snapshot({self._description}: {kinds.count('parameter')} parameters, "
             f"{kinds.count('buffer')} buffers{mode})"
@@ -168,16 +132,16 @@ class Snapshot:
         """A snapshot of the same names, kept the same way, from their values now.
 
         >>> model = nn.Linear(2, 1)
-        >>> snap = snapshot(model, copy=False)
+        >>> snap = snapshot(model, drift="fingerprint")
         >>> with torch.no_grad():
         ...     _ = model.bias.add_(1.0)
         >>> list(snap.changed()), snap.renewed().changed()
         (['bias'], {})
         """
         if self._module is not None:
-            return snapshot(self._module, names=self.names, copy=self.copies, device=self._device)
+            return snapshot(self._module, names=self.names, drift=self.drift, device=self._device)
         held = {e.name: e.held for e in self._entries if e.held is not None}
-        return snapshot(held, copy=self.copies, device=self._device)
+        return snapshot(held, drift=self.drift, device=self._device)
 
     def _current(self) -> dict[str, torch.Tensor]:
         if self._module is None:
@@ -214,7 +178,7 @@ class Snapshot:
 
         A tensor that is gone, or whose shape changed, reports ``inf``; NaN where there was a
         number (or the other way round) reports ``nan``. A fingerprint snapshot
-        (``copy=False``) knows that a tensor changed, not by how much: every changed tensor
+        (``drift="fingerprint"``) knows that a tensor changed, not by how much: every changed tensor
         reports ``nan`` (test with ``math.isnan``; ``nan > 0`` is False), except ``inf`` for
         one that is gone or changed shape.
 
@@ -227,7 +191,7 @@ class Snapshot:
 
         >>> model = nn.Linear(2, 1)
         >>> _ = nn.init.zeros_(model.bias)
-        >>> snap, prints = snapshot(model), snapshot(model, copy=False)
+        >>> snap, prints = snapshot(model), snapshot(model, drift="fingerprint")
         >>> with torch.no_grad():
         ...     _ = model.bias.add_(0.5)
         >>> snap.changed(), prints.changed()
@@ -254,10 +218,10 @@ class Snapshot:
     def _check_atol(self, caller: str, atol: float) -> None:
         if not isinstance(atol, (int, float)) or not atol >= 0:
             raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
-        if atol and not self.copies:
+        if atol and self.drift != "copy":
             raise IsolationTypeError(
                 f"{caller}: atol={atol} needs the size of a change, which a fingerprint "
-                "snapshot does not know; take snapshot(..., copy=True) to allow a tolerance"
+                "snapshot does not know; take snapshot(..., drift='copy') to allow a tolerance"
             )
 
     def assert_unchanged(self, *, atol: float = 0.0) -> None:
@@ -274,7 +238,7 @@ class Snapshot:
             IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot.
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-        >>> snap = snapshot(model, copy=False)
+        >>> snap = snapshot(model, drift="fingerprint")
         >>> _ = model(torch.randn(4, 2))  # train mode: BatchNorm updates its statistics
         >>> snap.assert_unchanged()
         Traceback (most recent call last):
@@ -294,9 +258,11 @@ class Snapshot:
             elif tuple(local_tensor(now).shape) != entry.shape:
                 detail = f"changed shape {entry.shape} -> {tuple(local_tensor(now).shape)}"
             elif entry.saved is None:
-                detail = "changed (fingerprint differs; snapshot(..., copy=True) tells by how much)"
+                detail = (
+                    "changed (fingerprint differs; snapshot(..., drift='copy') tells by how much)"
+                )
             else:
-                diff = _elementwise_moved(entry.saved, now, atol)
+                diff = moved_elements(entry.saved, now, atol)
                 detail = f"max|Δ|={delta:.3e} in {diff} of {entry.saved.numel()} elements"
             flag = ""
             if entry.kind == "parameter" and now is not None:
@@ -327,20 +293,13 @@ class Snapshot:
         )
 
 
-def _elementwise_moved(old: torch.Tensor, new: torch.Tensor, atol: float) -> int:
-    old, new = local_tensor(old), local_tensor(new).to(old.device)
-    if old.layout != torch.strided or new.layout != torch.strided:
-        return int((_sparse_delta(old, new) > atol).sum())
-    return int((~(_delta(old, new) <= atol)).sum())
-
-
 def snapshot(
     target: nn.Module | Mapping[str, torch.Tensor],
     *,
     parameters: ParameterFilter = "all",
     buffers: bool = True,
     names: Iterable[str] | None = None,
-    copy: bool = True,
+    drift: Drift = "copy",
     device: torch.device | str | None = "cpu",
 ) -> Snapshot:
     """Record parameters and buffers now, to tell later by name what changed.
@@ -354,13 +313,14 @@ def snapshot(
         buffers: whether to record the module's buffers.
         names: instead of the two filters above, exactly these parameter and buffer names
             of the module. Each is looked up by name at every check.
-        copy: ``True`` keeps a copy of every tensor, so ``changed()`` tells by how much it
-            moved (memory: the size of what is recorded). ``False`` keeps a 128-bit
-            :func:`fingerprint` of each instead: any change of any bit is still caught, for
-            O(number of tensors) memory and about one read of the weights per check, but
-            ``changed()`` reports ``nan`` for the size.
+        drift: how a change is recorded: ``"copy"`` keeps a copy of every tensor, so
+            ``changed()`` tells by how much it moved (memory: the size of what is recorded);
+            ``"fingerprint"`` keeps a 128-bit :func:`fingerprint` of each instead: any change
+            of any bit is still caught, for O(number of tensors) memory and about one read of
+            the weights per check, but ``changed()`` reports ``nan`` for the size. The same
+            choice as ``IsolationSpec.apply(..., drift=)``.
         device: where copies live; ``None`` keeps each on its tensor's device (faster, but
-            costs accelerator memory). Unused with ``copy=False``.
+            costs accelerator memory). Unused with ``drift="fingerprint"``.
 
     Returns:
         A :class:`Snapshot`; call ``.changed()`` or ``.assert_unchanged()`` on it later.
@@ -369,7 +329,8 @@ def snapshot(
         IsolationTypeError: ``target`` is neither a module nor a mapping of tensors, or
             ``names`` is given with a mapping.
         SelectorError: ``parameters`` is not one of the filters above, ``names`` names no
-            parameter or buffer of the module, or comes with a filter.
+            parameter or buffer of the module, or comes with a filter, or ``drift`` is
+            neither ``"copy"`` nor ``"fingerprint"``.
 
     Note:
         ``requires_grad=False`` is not enough to keep a parameter still: an optimizer moves a
@@ -399,89 +360,107 @@ def snapshot(
         raise SelectorError(
             f"{caller}: parameters={parameters!r} is not a filter; expected one of {list(_FILTERS)}"
         )
-    saved: dict[int, tuple[torch.Tensor | None, Print | None]] = {}
-    chosen: list[tuple[str, Literal["parameter", "buffer"], torch.Tensor, bool]] = []
-
-    def entry(
-        name: str, kind: Literal["parameter", "buffer"], t: torch.Tensor, strong: bool
-    ) -> None:
-        chosen.append((name, kind, t, strong))
-
-    def record(description: str, module: nn.Module | None) -> Snapshot:
-        if not copy:
-            prints = fingerprints(t for _, _, t, _ in chosen)
-            saved.update((i, (None, fp)) for i, fp in prints.items())
-        return Snapshot([make(*c) for c in chosen], module, description, copy, device)
-
-    def make(
-        name: str, kind: Literal["parameter", "buffer"], t: torch.Tensor, strong: bool
-    ) -> _Entry:
-        # Aliases (tied weights, shared buffers) share one copy or fingerprint.
-        if id(t) not in saved:
-            data = local_tensor(t)
-            saved[id(t)] = (data.clone() if device is None else data.to(device, copy=True), None)
-        kept, print_ = saved[id(t)]
-        local = local_tensor(t)
-        shape, held = tuple(local.shape), t if strong else None
-        return _Entry(name, kind, kept, print_, shape, local.dtype, local.layout, id(t), held)
-
+    if drift not in _DRIFT:
+        raise SelectorError(
+            f"{caller}: drift={drift!r} is not a way to record; expected one of {list(_DRIFT)}"
+        )
     if isinstance(target, nn.Module):
-        walked = Names.of(target, aliases=True)  # by state_dict key; FSDP2: this rank's shards
-        params, bufs = walked.params, walked.buffers
-        if names is not None:
-            if parameters != "all" or not buffers:
-                raise SelectorError(
-                    f"{caller}: names= picks tensors itself; drop parameters={parameters!r} / "
-                    f"buffers={buffers!r}"
-                )
-            wanted = [names] if isinstance(names, str) else list(names)
-            unknown = [n for n in wanted if n not in params and n not in bufs]
-            if unknown:
-                raise SelectorError(
-                    f"{caller}: {unknown} name no parameter or buffer of "
-                    f"{type(target).__name__}; its names start {list(params)[:5]} "
-                    f"(buffers: {list(bufs)[:5]})"
-                )
-            for name in dict.fromkeys(wanted):
-                if name in params:
-                    entry(name, "parameter", params[name], False)
-                else:
-                    entry(name, "buffer", bufs[name], False)
-            return record(type(target).__name__, target)
-        for name, p in params.items():
-            keep = parameters == "all" or (
-                parameters != "none" and p.requires_grad == (parameters == "trainable")
-            )
-            if keep:
-                entry(name, "parameter", p, False)
-        if buffers:
-            for name, b in bufs.items():
-                entry(name, "buffer", b, False)
-        return record(type(target).__name__, target)
+        chosen = _module_tensors(target, parameters, buffers, names, caller)
+        return _record(chosen, type(target).__name__, target, drift, device)
     if isinstance(target, Mapping):
-        if names is not None:
-            raise IsolationTypeError(
-                f"{caller}: names= selects from a module; a mapping already names its tensors"
-            )
-        for name, t in target.items():
-            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-                raise IsolationTypeError(
-                    f"{caller}: a mapping target must map names to tensors; got "
-                    f"{type(name).__name__} -> {type(t).__name__}"
-                )
-            kind: Literal["parameter", "buffer"] = (
-                "parameter" if isinstance(t, nn.Parameter) else "buffer"
-            )
-            entry(name, kind, t, True)
-        return record(f"{len(chosen)} named tensors", None)
+        chosen = _mapping_tensors(target, names, caller)
+        return _record(chosen, f"{len(chosen)} named tensors", None, drift, device)
     raise IsolationTypeError(
         f"{caller}: target must be a torch.nn.Module or a mapping of names to tensors, got "
         f"{type(target).__name__}; e.g. snapshot(model) or snapshot(dict(model.named_buffers()))"
     )
 
 
-# --------------------------------------------------------------------------------------------
-# optimizer_exposure
+# What a snapshot records: name, kind, the tensor, and whether to hold it (a mapping's tensors
+# are held: they cannot be looked up again by name).
+_Chosen = tuple[str, Literal["parameter", "buffer"], torch.Tensor, bool]
 
-# State that keeps moving a parameter when its gradient is zero: a momentum buffer, or Adam's
-# first moment. Second moments (exp_avg_sq, square_avg, Adagrad's sum) only scale a gradient.
+
+def _module_tensors(
+    target: nn.Module,
+    parameters: ParameterFilter,
+    buffers: bool,
+    names: Iterable[str] | None,
+    caller: str,
+) -> list[_Chosen]:
+    """The tensors of ``target`` that :func:`snapshot` records, by ``state_dict`` key."""
+    walked = Names.of(target, aliases=True)  # by state_dict key; FSDP2: this rank's shards
+    params, bufs = walked.params, walked.buffers
+    if names is None:
+        chosen: list[_Chosen] = [
+            (name, "parameter", p, False)
+            for name, p in params.items()
+            if parameters == "all"
+            or (parameters != "none" and p.requires_grad == (parameters == "trainable"))
+        ]
+        return chosen + [(name, "buffer", b, False) for name, b in bufs.items() if buffers]
+    if parameters != "all" or not buffers:
+        raise SelectorError(
+            f"{caller}: names= picks tensors itself; drop parameters={parameters!r} / "
+            f"buffers={buffers!r}"
+        )
+    wanted = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in wanted if n not in params and n not in bufs]
+    if unknown:
+        raise SelectorError(
+            f"{caller}: {unknown} name no parameter or buffer of "
+            f"{type(target).__name__}; its names start {list(params)[:5]} "
+            f"(buffers: {list(bufs)[:5]})"
+        )
+    return [
+        (name, "parameter", params[name], False)
+        if name in params
+        else (name, "buffer", bufs[name], False)
+        for name in dict.fromkeys(wanted)
+    ]
+
+
+def _mapping_tensors(
+    target: Mapping[str, torch.Tensor], names: Iterable[str] | None, caller: str
+) -> list[_Chosen]:
+    """The tensors of a mapping that :func:`snapshot` records (held: a mapping is not looked
+    up again)."""
+    if names is not None:
+        raise IsolationTypeError(
+            f"{caller}: names= selects from a module; a mapping already names its tensors"
+        )
+    chosen: list[_Chosen] = []
+    for name, t in target.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise IsolationTypeError(
+                f"{caller}: a mapping target must map names to tensors; got "
+                f"{type(name).__name__} -> {type(t).__name__}"
+            )
+        chosen.append((name, "parameter" if isinstance(t, nn.Parameter) else "buffer", t, True))
+    return chosen
+
+
+def _record(
+    chosen: list[_Chosen],
+    description: str,
+    module: nn.Module | None,
+    drift: Drift,
+    device: torch.device | str | None,
+) -> Snapshot:
+    """A :class:`Snapshot` of ``chosen``: a copy or a fingerprint of each tensor, one per
+    tensor object (aliases, tied weights and shared buffers, share it)."""
+    saved: dict[int, tuple[torch.Tensor | None, Print | None]] = {}
+    if drift == "fingerprint":
+        prints = fingerprints(t for _, _, t, _ in chosen)
+        saved.update((i, (None, fp)) for i, fp in prints.items())
+    entries = []
+    for name, kind, t, strong in chosen:
+        local = local_tensor(t)
+        if id(t) not in saved:
+            saved[id(t)] = (local.clone() if device is None else local.to(device, copy=True), None)
+        kept, print_ = saved[id(t)]
+        shape, held = tuple(local.shape), t if strong else None
+        entries.append(
+            _Entry(name, kind, kept, print_, shape, local.dtype, local.layout, id(t), held)
+        )
+    return Snapshot(entries, module, description, drift, device)

@@ -45,6 +45,19 @@ def cell_text(stats: GroupStats, loss: str) -> str:
     return f"{100 * share:.1f}%\n|g| {norm:.2e}"
 
 
+def _check_inputs(report: object, cut_off: object, caller: str) -> None:
+    if not isinstance(report, GradientReport):
+        raise IsolationTypeError(
+            f"{caller}: report must be a GradientReport (from isolate.gradient_report), got "
+            f"{type(report).__name__}"
+        )
+    if cut_off is not None and not isinstance(cut_off, CutOff):
+        raise IsolationTypeError(
+            f"{caller}: cut_off must be the CutOff of isolate.cutoff.cut_off_parameters, got "
+            f"{type(cut_off).__name__}"
+        )
+
+
 def plot_report(report: GradientReport, *, cut_off: CutOff | None = None) -> Figure:
     """A losses x parameter groups matrix: reach, and each loss's gradient share per group.
 
@@ -75,17 +88,7 @@ def plot_report(report: GradientReport, *, cut_off: CutOff | None = None) -> Fig
     >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
     ['encoder', 'head']
     """
-    caller = "plot_report()"
-    if not isinstance(report, GradientReport):
-        raise IsolationTypeError(
-            f"{caller}: report must be a GradientReport (from isolate.gradient_report), got "
-            f"{type(report).__name__}"
-        )
-    if cut_off is not None and not isinstance(cut_off, CutOff):
-        raise IsolationTypeError(
-            f"{caller}: cut_off must be the CutOff of isolate.cutoff.cut_off_parameters, got "
-            f"{type(cut_off).__name__}"
-        )
+    _check_inputs(report, cut_off, "plot_report()")
     figure_module = _matplotlib()
     import numpy as np
     from matplotlib import colormaps

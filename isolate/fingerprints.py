@@ -1,8 +1,8 @@
 """Fingerprints: 128 bits that change whenever any bit of a tensor changes.
 
 :func:`fingerprint` reads a tensor once and holds no copy of it; :func:`isolate.snapshot`
-keeps one per tensor with ``copy=False``, the engine's drift check keeps one per frozen
-tensor, and the distributed checks exchange them instead of parameters.
+keeps one per tensor with ``drift="fingerprint"``, the engine's drift check keeps one per
+frozen tensor, and the distributed checks exchange them instead of parameters.
 
 Two schemes, chosen by where the tensor lives:
 

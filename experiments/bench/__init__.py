@@ -24,13 +24,17 @@ The ``certify`` section (``--only certify``) times ``isolate certify`` on a synt
 checkpoint pair against one sequential read of both files, measures its peak resident memory
 and plants five corruptions; its size is set by ``--certify-params`` (default 0.5B
 parameters, 1 GB per file, a few minutes; ``3000000000`` for the 3B target, 6 GB per file).
+The ``contracts`` section (``--only contracts``) measures the contract checks of a check step
+against a training step, and the ledger against a backward, on the suite's models and a large
+BYOL-like pair (``--contracts-layers/--contracts-width``, default 18 blocks of width 1024, 302M
+parameters), at ``--contracts-threads`` (1) torch threads.
 
 Every row states its target as a limit on one number (``metric``, the ratio unless said
 otherwise), and ``ok`` is that limit applied to the number written next to it.
 
 One module per section (:mod:`~experiments.bench.wrappers`, ``freeze``, ``reachability``,
 ``report``, ``frozen``, ``callback``, ``scale``, ``sharded``, ``imports``, ``peft_llama`` for
-``peft``, ``seethrough``, ``certify``), over a shared timing
-harness (``_timing``: every figure is the median of interleaved repeats (A, B, A, B, ...)
-after warm-up, so slow phases of a shared machine hit both sides alike).
+``peft``, ``seethrough``, ``certify``, ``contracts``), over a shared timing harness
+(``_timing``: every figure is the median of interleaved repeats (A, B, A, B, ...) after
+warm-up, so slow phases of a shared machine hit both sides alike).
 """

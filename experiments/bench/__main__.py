@@ -19,6 +19,7 @@ import torch
 from experiments.bench import (
     callback,
     certify,
+    contracts,
     freeze,
     frozen,
     imports,
@@ -46,6 +47,7 @@ class Settings:
     peft: peft_llama.PeftConfig
     seethrough: seethrough.SeethroughConfig
     certify: certify.CertifyConfig
+    contracts: contracts.ContractsConfig
 
 
 SECTIONS: dict[str, Callable[[Settings], list[Row]]] = {
@@ -61,6 +63,7 @@ SECTIONS: dict[str, Callable[[Settings], list[Row]]] = {
     "peft": lambda s: peft_llama.run(s.peft),
     "seethrough": lambda s: seethrough.run(s.seethrough),
     "certify": lambda s: certify.run(s.certify),
+    "contracts": lambda s: contracts.run(s.contracts),
 }
 # section -> (its sizes, the small sizes of --quick)
 _SIZED: dict[str, tuple[type, object]] = {
@@ -69,6 +72,7 @@ _SIZED: dict[str, tuple[type, object]] = {
     "peft": (peft_llama.PeftConfig, peft_llama.QUICK_PEFT),
     "seethrough": (seethrough.SeethroughConfig, seethrough.QUICK_SEETHROUGH),
     "certify": (certify.CertifyConfig, certify.QUICK_CERTIFY),
+    "contracts": (contracts.ContractsConfig, contracts.QUICK_CONTRACTS),
 }
 
 

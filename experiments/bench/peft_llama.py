@@ -142,7 +142,7 @@ def _drift_rows(run: _Run, label: str) -> list[Row]:
     # frozen tensors by name), then the peak of one check above the resident memory before.
     settle()
     tracemalloc.start()
-    kept = snapshot(run.model, names=handle.frozen, copy=False)
+    kept = snapshot(run.model, names=handle.frozen, drift="fingerprint")
     watch_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     del kept

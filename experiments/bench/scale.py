@@ -101,16 +101,16 @@ def _fingerprint_times(model: nn.Module, cfg: ScaleConfig, label: str) -> list[R
     read = read_weights(model)
     tiny = cfg.repeat < 3  # a test run: no garbage collection between timings
     c, b, ratio = paired(
-        lambda: isolate.snapshot(model, copy=False),
+        lambda: isolate.snapshot(model, drift="fingerprint"),
         read,
         warmup=1,
         repeat=cfg.repeat,
         collect=not tiny,
     )
-    rows = [Row(f"fingerprint snapshot, {label}", "snapshot(copy=False)",
+    rows = [Row(f"fingerprint snapshot, {label}", "snapshot(drift='fingerprint')",
                 "one read of the weights (sum)", c, b, "<= 1.5", False, paired_ratio=ratio,
                 limit=1.5)]  # fmt: skip
-    snap = isolate.snapshot(model, copy=False)
+    snap = isolate.snapshot(model, drift="fingerprint")
     c, b, ratio = paired(snap.assert_unchanged, read, warmup=1, repeat=cfg.repeat, collect=not tiny)
     # For reference, in the same run: the accelerator scheme, run on this CPU.
     dev_c, _, dev_ratio = paired(
@@ -130,7 +130,7 @@ def _fingerprint_memory(model: nn.Module, label: str) -> Row:
     params = sum(p.numel() for p in model.parameters())
     size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     before = resident_bytes()
-    snap = isolate.snapshot(model, copy=False)
+    snap = isolate.snapshot(model, drift="fingerprint")
     extra = max(resident_bytes() - before, 0)
     del snap
     gc.collect()
@@ -140,9 +140,9 @@ def _fingerprint_memory(model: nn.Module, label: str) -> Row:
     del copied
     gc.collect()
     return Row(f"fingerprint snapshot extra resident memory, {label}",
-               "snapshot(copy=False)", "model size", max(extra, 1), size, "<= 1 MB", False,
+               "snapshot(drift='fingerprint')", "model size", max(extra, 1), size, "<= 1 MB", False,
                {"extra MB": extra / 2**20, "model MB": size / 2**20,
-                "snapshot(copy=True) extra MB": copy_extra / 2**20, "parameters": params},
+                "snapshot(drift='copy') extra MB": copy_extra / 2**20, "parameters": params},
                limit=1.0, metric_name="extra MB", unit="bytes")  # fmt: skip
 
 

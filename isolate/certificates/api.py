@@ -148,20 +148,7 @@ def certify(
     (True, ['trunk: 1 frozen, bitwise unchanged', 'head: 1 trainable, moved'])
     >>> folder.cleanup()
     """
-    parsed_spec = None if spec is None else load_spec(spec)
-    if parsed_spec is not None and prefix:
-        parsed_spec = parsed_spec.prefixed(prefix)
-    config = None if adapter_config is None else LoraConfig.load(adapter_config)
-    if adapter is not None and config is None:
-        raise CertificateError(
-            f"{CALLER}: adapter= needs adapter_config= (its r, lora_alpha and target_modules "
-            f"give the merge's scale)"
-        )
-    if parsed_spec is None and config is None and not rows and not ties:
-        raise CertificateError(
-            f"{CALLER}: nothing to certify: give spec=, adapter_config=, rows= or ties= (a "
-            f"certificate without claims would pass whatever the files hold)"
-        )
+    parsed_spec, config = _requested(spec, prefix, adapter_config, adapter, rows, ties)
     with ExitStack() as stack:
         readers = [stack.enter_context(open_checkpoint(p, key=key)) for p in (base, tuned)]
         for reader in readers:
@@ -181,10 +168,6 @@ def certify(
         verdicts: list[Verdict] = run(job)
         with ThreadPoolExecutor(2) as pool:  # files not hashed during the pass: both at once
             records = list(pool.map(_record, readers))
-        notes = [
-            f"{name} in {second.path.name} is not referenced by its index (left by another save?)"
-            for name in second.unreferenced()
-        ]
         return Certificate(
             base=records[0],
             tuned=records[1],
@@ -199,13 +182,51 @@ def certify(
                 "key": key,
                 "prefix": prefix,
             },
-            tolerances={
-                "frozen": "bitwise (XXH3-128 fingerprints of dtype, shape and bytes)",
-                "merge_ulps": ulps,
-                "merge_rule": "|merged - (W + s*B@A)| <= ulps*eps(dtype)*(|W + s*B@A| + s*|B|@|A|)",
-            },
+            tolerances=_tolerances(ulps),
             verdicts=tuple(verdicts),
             versions=versions(),
             adapter=None if lora is None else _record(lora),
-            notes=tuple(notes),
+            notes=tuple(_unreferenced(second)),
         )
+
+
+def _requested(
+    spec: SpecData | Mapping[str, Any] | str | Path | None,
+    prefix: str | None,
+    adapter_config: LoraConfig | Mapping[str, Any] | str | Path | None,
+    adapter: str | Path | None,
+    rows: Mapping[str, Sequence[int]] | None,
+    ties: Sequence[Sequence[str]],
+) -> tuple[SpecData | None, LoraConfig | None]:
+    """The spec (prefixed) and the adapter config :func:`certify` checks against, or the error
+    that says which claim is missing."""
+    parsed_spec = None if spec is None else load_spec(spec)
+    if parsed_spec is not None and prefix:
+        parsed_spec = parsed_spec.prefixed(prefix)
+    config = None if adapter_config is None else LoraConfig.load(adapter_config)
+    if adapter is not None and config is None:
+        raise CertificateError(
+            f"{CALLER}: adapter= needs adapter_config= (its r, lora_alpha and target_modules "
+            f"give the merge's scale)"
+        )
+    if parsed_spec is None and config is None and not rows and not ties:
+        raise CertificateError(
+            f"{CALLER}: nothing to certify: give spec=, adapter_config=, rows= or ties= (a "
+            f"certificate without claims would pass whatever the files hold)"
+        )
+    return parsed_spec, config
+
+
+def _tolerances(ulps: float) -> dict[str, Any]:
+    return {
+        "frozen": "bitwise (XXH3-128 fingerprints of dtype, shape and bytes)",
+        "merge_ulps": ulps,
+        "merge_rule": "|merged - (W + s*B@A)| <= ulps*eps(dtype)*(|W + s*B@A| + s*|B|@|A|)",
+    }
+
+
+def _unreferenced(reader: Checkpoint) -> list[str]:
+    return [
+        f"{name} in {reader.path.name} is not referenced by its index (left by another save?)"
+        for name in reader.unreferenced()
+    ]

@@ -140,6 +140,38 @@ def _selectors(params: object, phase: int, names: Sequence[str] | None) -> list[
     return out
 
 
+def _phases(schedule: object) -> dict[int, Any]:
+    """Phase number -> phase, numbered 0..N, or the error that says how the schedule is off."""
+    if not isinstance(schedule, Mapping) or not schedule:
+        raise SpecError(f"{_CALLER}: expected a mapping of phase number -> phase, got {schedule!r}")
+    try:
+        phases = {int(k): v for k, v in schedule.items()}
+    except (TypeError, ValueError):
+        raise SpecError(
+            f"{_CALLER}: phase keys must be integers 0..N, got {list(schedule)}"
+        ) from None
+    if sorted(phases) != list(range(len(phases))):
+        raise SpecError(f"{_CALLER}: phase keys must be 0..N without gaps, got {sorted(phases)}")
+    return phases
+
+
+def _phase(phase: object, depth: int) -> Mapping[str, Any]:
+    """Phase ``depth``, refused if it is no mapping or holds a key isolate does not take."""
+    if not isinstance(phase, Mapping):
+        raise SpecError(f"{_CALLER}: phase {depth} must be a mapping, got {phase!r}")
+    refused = [k for k in phase if k in _REFUSED]
+    if refused:
+        raise SpecError(
+            f"{_CALLER}: phase {depth} uses {refused}, which rebuild the optimizer or the "
+            f"LR scheduler mid-run; isolate keeps one optimizer and scheduler (a thawed group "
+            f"joins them). Drop the key, or give the phase its lr and a LambdaLR shape"
+        )
+    unknown = [k for k in phase if k not in _KNOWN]
+    if unknown:
+        raise SpecError(f"{_CALLER}: phase {depth} has unknown keys {unknown}; known {_KNOWN}")
+    return phase
+
+
 def from_finetuning_scheduler(
     schedule: Mapping[Any, Any],
     *,
@@ -184,33 +216,12 @@ def from_finetuning_scheduler(
     (['*', '!head.weight', '!head.bias'], [{'select': ['trunk.1.*'], 'name': 'phase_1', \
 'lr': 0.0001, 'monitor': 'val_loss', 'patience': 3, 'epoch': 2}])
     """
-    if not isinstance(schedule, Mapping) or not schedule:
-        raise SpecError(f"{_CALLER}: expected a mapping of phase number -> phase, got {schedule!r}")
-    try:
-        phases = {int(k): v for k, v in schedule.items()}
-    except (TypeError, ValueError):
-        raise SpecError(
-            f"{_CALLER}: phase keys must be integers 0..N, got {list(schedule)}"
-        ) from None
-    if sorted(phases) != list(range(len(phases))):
-        raise SpecError(f"{_CALLER}: phase keys must be 0..N without gaps, got {sorted(phases)}")
+    phases = _phases(schedule)
     names = [n for n, _ in model.named_parameters()] if model is not None else None
     thaw: list[dict[str, Any]] = []
     freeze: list[str] = ["*"]
     for depth in range(len(phases)):
-        phase = phases[depth]
-        if not isinstance(phase, Mapping):
-            raise SpecError(f"{_CALLER}: phase {depth} must be a mapping, got {phase!r}")
-        refused = [k for k in phase if k in _REFUSED]
-        if refused:
-            raise SpecError(
-                f"{_CALLER}: phase {depth} uses {refused}, which rebuild the optimizer or the "
-                f"LR scheduler mid-run; isolate keeps one optimizer and scheduler (a thawed group "
-                f"joins them). Drop the key, or give the phase its lr and a LambdaLR shape"
-            )
-        unknown = [k for k in phase if k not in _KNOWN]
-        if unknown:
-            raise SpecError(f"{_CALLER}: phase {depth} has unknown keys {unknown}; known {_KNOWN}")
+        phase = _phase(phases[depth], depth)
         selectors = _selectors(phase.get("params"), depth, names)
         if depth == 0:
             freeze += ["!" + s for s in selectors]  # phase 0 trains from the start

@@ -14,6 +14,7 @@ the one ``IsolationCallback`` is a ``Callback`` of each installed, and strategie
 against the trainer's own package.
 """
 
-from isolate.lightning.callback import LOSSES_ATTRIBUTE, IsolationCallback
+from isolate.lightning.callback import IsolationCallback
+from isolate.lightning.losses import LOSSES_ATTRIBUTE
 
 __all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]

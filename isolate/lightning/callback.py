@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 
-from isolate.errors import (
-    IsolationError,
-    IsolationTypeError,
-    IsolationWarning,
-    SpecError,
-)
+from isolate.errors import IsolationError, IsolationWarning, SpecError
 from isolate.ledger import Ledger
-from isolate.lightning._compat import Callback, package
+from isolate.lightning._compat import Callback
 from isolate.lightning.checkpoint import SavedState
+from isolate.lightning.losses import LOSSES_ATTRIBUTE, check_named, take_losses
 from isolate.lightning.metrics import grad_norms, log_figure
 from isolate.lightning.notices import (
     explain_eval_modes,
@@ -26,6 +21,7 @@ from isolate.lightning.notices import (
     warn_on_norm_clipping,
     warn_unvalidated,
 )
+from isolate.lightning.preflight import check_validation, monitors, spec_of
 from isolate.lightning.strategies import (
     applies_at_fit_start,
     check_trainer,
@@ -40,10 +36,7 @@ from isolate.spec.isolation import apply as apply_spec
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["LOSSES_ATTRIBUTE", "IsolationCallback"]
-
-LOSSES_ATTRIBUTE = "isolation_losses"
-"""The attribute of the LightningModule where ``training_step`` leaves its named losses."""
+__all__ = ["IsolationCallback"]
 
 _CALLER = "IsolationCallback"
 _DEFAULTS: dict[str, Any] = {
@@ -66,85 +59,36 @@ def _warn(message: str) -> None:
 class IsolationCallback(Callback):
     """Freeze, detach, clone and thaw by name, and check while training that isolation holds.
 
-    A thin adapter over :class:`isolate.IsolationSpec`: ``setup("fit")`` applies the spec
-    (before ``configure_optimizers`` and DDP), ``on_fit_start`` attaches the optimizers, each
-    batch runs the thaw schedule, and every ``verify_every_n_steps`` optimizer steps
-    :meth:`~isolate.spec.handle.IsolationHandle.verify` checks reach, replaced parameters,
-    drift, flags, optimizers and ranks. It adds: DDP rebuilt after a thaw, gradient norms per
-    group in the loggers (``isolation/grad_norm/<group>``), the spec's state in checkpoints (a
-    resume thaws what was thawed, before DDP wraps the model); ``teardown`` and
-    ``on_exception`` undo it all.
-
-    **Naming losses.** ``training_step`` leaves the losses to check in
-    ``self.isolation_losses``, a dict of name -> loss tensor, set every step (holding
-    references costs nothing); the callback reads it in ``on_before_backward``, while the
-    graph is alive, and clears it. Each named loss must not reach the parameters
-    ``protect[name]`` selects; without ``protect``, each must reach no parameter upstream
-    of a ``detach`` branch. No named loss may reach a frozen parameter.
+    A thin adapter over :class:`isolate.IsolationSpec` and its handle's
+    :class:`~isolate.spec.cadence.Loop`: ``setup("fit")`` applies the spec, ``on_fit_start``
+    attaches the optimizers, each batch runs the thaw schedule and the checks due, and the
+    spec's state goes into checkpoints; ``teardown`` and ``on_exception`` undo it all.
+    ``training_step`` names the losses to check in ``self.isolation_losses`` (a dict of
+    name -> loss tensor). The guide, with the traps it handles and the ones it cannot, is
+    docs/lightning.md.
 
     Args:
-        spec: the :class:`~isolate.IsolationSpec`; or give its keywords instead.
-        freeze: what to freeze, as ``IsolationSpec(freeze=...)``.
-        detach: the branches to detach, as ``IsolationSpec(detach=...)``.
-        clone: the branches to clone, as ``IsolationSpec(clone=...)``.
-        bn: how frozen BatchNorm layers behave, as ``IsolationSpec(bn=...)``.
-        thaw: the thaw steps, as ``IsolationSpec(thaw=...)`` (items may be
-            :class:`ThawKeys` mappings).
-        protect: loss name -> what it must not reach, as ``IsolationSpec(protect=...)``.
-        frozen_in_optimizer: as ``IsolationSpec(frozen_in_optimizer=...)``.
-        mode: hold the frozen part in eval mode as a whole, as ``IsolationSpec(mode=...)``.
-        contracts: the methods' contracts, as ``IsolationSpec(contracts=...)`` (mappings
-            with a ``kind``).
+        spec: the :class:`~isolate.IsolationSpec`; or give its keywords instead (``freeze``,
+            ``detach``, ``clone``, ``bn``, ``thaw``, ``protect``, ``frozen_in_optimizer``,
+            ``mode``, ``contracts``, each as ``IsolationSpec``'s).
         verify_every_n_steps: how often to check, in optimizer steps (step 0 included);
             ``0`` turns the periodic checks and gradient-norm logging off.
-        on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` with an
-            :class:`~isolate.IsolationWarning` and carry on.
-        log_grad_norms: whether to log gradient norms per group at each check.
-        log_figures: whether to log, at each check, the losses x groups figure of
-            :func:`isolate.gradient_report` (with the parameters cut off from the loss) to the
-            loggers that take figures (TensorBoard's ``add_figure``). Costs one
-            ``autograd.grad`` per named loss at check steps; needs matplotlib.
-        expected_unused: selectors of parameters that may go without gradient on a step
-            (a mixture-of-experts expert no token was routed to). Every other trainable
-            parameter must be reached by the loss backpropagated at each check step and on
-            the first step after a thaw, else a :class:`~isolate.errors.CutOffError`.
-        drift: how frozen tensors are watched: ``"fingerprint"`` (O(number of tensors) host
-            memory, any changed bit caught) or ``"copy"`` (a host copy of the frozen part; the
-            report gives the size of a change).
-        ledger: print :func:`isolate.ledger.ledger` of the model once, at the first training
-            step (when the first losses exist; on rank zero, as ``ModelSummary`` prints at fit
-            start), and log its summary (``isolation/ledger/*``); it is kept in
-            :attr:`ledger`. The contracts' verdicts of the fit are kept in :attr:`verdicts`.
+        on_violation: ``"raise"`` an error naming the parameters, or ``"warn"`` and carry on.
+        log_grad_norms: log gradient norms per group at each check.
+        log_figures: log :func:`isolate.gradient_report`'s figure at each check (needs
+            matplotlib and a logger with ``add_figure``).
+        drift: how frozen tensors are watched, as ``IsolationSpec.apply(drift=)``.
+        expected_unused: selectors of parameters that may go without gradient on a step.
+        ledger: print :func:`isolate.ledger.ledger` once, at the first training step (kept
+            in :attr:`ledger`); the contracts' verdicts are kept in :attr:`verdicts`.
 
     Raises:
-        SpecError: (at construction) an argument has the wrong type or value; (at setup and
-            fit start) the spec does not fit the model or the optimizers. Nothing is left
-            changed.
-        SelectorError: a selector matches nothing, or a ``detach`` / ``clone`` name is not a
-            submodule.
-        CheckpointMismatchError: resuming from a checkpoint written under another spec, or
-            without the callback; checked before the strategy loads the weights, so the model
-            keeps its own.
-        GradientLeakError, DriftError, RankDivergenceError: a violation during training
-            (``on_violation="raise"``).
-
-    Note:
-        Traps it handles, and the ones it cannot (the engine's own are in
-        :class:`~isolate.spec.handle.IsolationHandle`):
-
-        * Lightning calls ``model.train()`` every epoch and resets ``training`` flags after
-          validation by assignment; ``bn="eval"`` (``mode="eval"``: the whole frozen part)
-          holds layers in a forward pre-hook instead, so Lightning's "Found N module(s) in
-          eval mode" warning at fit start is expected: the callback says how many it holds.
-          ``sync_batchnorm=True`` replaces the layers after setup, which would drop the
-          hold: it is refused at fit start.
-        * DDP synchronises only the parameters that required grad when it was built; a thaw
-          under DDP wraps the model again, then checks that all ranks agree.
-        * Global-norm gradient clipping couples detached branches to the rest (warned).
-        * One ``IsolationCallback`` per Trainer: its checkpoint state has a fixed key.
-        * A resume repeats the uninterrupted run bit for bit only if the checkpoint holds all
-          its state; Lightning's holds neither the global RNG (dropout) nor a plain
-          DataLoader's position. Resume from epoch ends, or checkpoint those too.
+        SpecError: an argument, the spec against the model, or the optimizers is wrong;
+            nothing is left changed.
+        SelectorError: a selector matches nothing.
+        CheckpointMismatchError: a resume from a checkpoint written under another spec, or
+            without the callback (checked before the weights load).
+        GradientLeakError, DriftError, RankDivergenceError: a violation during training.
 
     >>> callback = IsolationCallback(
     ...     freeze=["trunk"], detach=["probe"], thaw=[Thaw("trunk", epoch=2, lr=1e-3)]
@@ -190,7 +134,7 @@ class IsolationCallback(Callback):
             "mode": mode,
             "contracts": contracts,
         }
-        self.spec = _spec(spec, {k: v for k, v in given.items() if v != _DEFAULTS[k]})
+        self.spec = spec_of(spec, {k: v for k, v in given.items() if v != _DEFAULTS[k]}, _CALLER)
         self.cadence = Cadence.checked(verify_every_n_steps, expected_unused, on_violation, _CALLER)
         if drift not in ("fingerprint", "copy"):
             raise SpecError(f"{_CALLER}: drift must be 'fingerprint' or 'copy', got {drift!r}")
@@ -215,7 +159,7 @@ class IsolationCallback(Callback):
             return
         self._restore()  # a fit that ended without teardown
         check_trainer(trainer, self, _CALLER)
-        _check_validation(trainer, pl_module, self.spec)
+        check_validation(trainer, pl_module, self.spec, _CALLER)
         self._validations = 0
         self._modes = [(m, m.training) for m in pl_module.modules()]
         if applies_at_fit_start(trainer):  # FSDP2: configure_model replaces the parameters
@@ -335,11 +279,11 @@ class IsolationCallback(Callback):
         """Check the named losses while their graph is alive (a walk, no backward)."""
         if self.handle is None:
             return
-        losses = _take_losses(pl_module)
+        losses = take_losses(pl_module)
         if self.print_ledger and self.ledger is None:
             self.ledger = print_ledger(trainer, pl_module, self.handle, losses, loss)
         if self.handle.loop.checking and losses:
-            _check_named(pl_module, losses, self.spec.protect)
+            check_named(pl_module, losses, self.spec.protect, _CALLER)
         self.handle.loop.before_backward(loss, losses if self.handle.loop.checking else None)
         if self.log_figures and self.handle.loop.checking and losses:
             log_figure(trainer, pl_module, losses, loss, self.cadence.expected_unused)
@@ -370,7 +314,7 @@ class IsolationCallback(Callback):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Give the validation metrics to the ``monitor`` thaws (rank 0's, on every rank)."""
-        if self.handle is None or trainer.sanity_checking or not _monitors(self.spec):
+        if self.handle is None or trainer.sanity_checking or not monitors(self.spec):
             return
         self._validations += 1
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
@@ -410,83 +354,3 @@ class IsolationCallback(Callback):
         except IsolationError:
             self._restore()
             raise
-
-
-def _spec(spec: object, keywords: dict[str, Any]) -> IsolationSpec:
-    if spec is not None:
-        if not isinstance(spec, IsolationSpec):
-            raise SpecError(
-                f"{_CALLER}: spec must be an isolate.IsolationSpec, got {type(spec).__name__}"
-                f"; for a mapping use IsolationSpec.from_dict(...)"
-            )
-        if keywords:
-            raise SpecError(
-                f"{_CALLER}: give spec= or the spec's keywords {sorted(keywords)}, not both"
-            )
-        return spec
-    try:
-        return IsolationSpec(**keywords)
-    except SpecError as error:  # name what the user called
-        message = str(error).replace("IsolationSpec:", f"{_CALLER}:", 1)
-        raise SpecError(message) from None
-
-
-def _monitors(spec: IsolationSpec) -> bool:
-    return any(t.monitor is not None for t in spec.thaw)
-
-
-def _check_validation(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, spec: IsolationSpec
-) -> None:
-    """Refuse ``monitor`` thaws in a fit that cannot validate: they would never thaw."""
-    watching = {str(t.name): str(t.monitor) for t in spec.thaw if t.monitor is not None}
-    if not watching:
-        return
-    if trainer.limit_val_batches == 0:
-        why = "limit_val_batches=0"
-    elif not _overrides(pl_module, "validation_step"):
-        why = f"{type(pl_module).__name__} defines no validation_step"
-    else:
-        return
-    raise SpecError(
-        f"{_CALLER}: thaw groups {sorted(watching)} wait for {sorted(set(watching.values()))} "
-        f"to stop improving, but this fit runs no validation ({why}), so they would never "
-        f"thaw; log the metric in a validation_step and validate, or give them epoch= or step="
-    )
-
-
-def _overrides(pl_module: pl.LightningModule, hook: str) -> bool:
-    lightning = package(pl_module, "LightningModule")
-    if lightning is None:
-        raise IsolationTypeError(
-            f"{_CALLER}: expected a LightningModule, got {type(pl_module).__qualname__}"
-        )
-    return bool(lightning.utilities.model_helpers.is_overridden(hook, pl_module))
-
-
-def _take_losses(pl_module: pl.LightningModule) -> Any:
-    """The named losses ``training_step`` left, cleared so that each is read once."""
-    losses = getattr(pl_module, LOSSES_ATTRIBUTE, None)
-    if losses is not None:
-        setattr(pl_module, LOSSES_ATTRIBUTE, {})
-    return losses
-
-
-def _check_named(
-    pl_module: pl.LightningModule, losses: object, protect: Mapping[str, Any] | None
-) -> None:
-    if not isinstance(losses, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items()
-    ):
-        raise IsolationTypeError(
-            f"{_CALLER}: {type(pl_module).__name__}.{LOSSES_ATTRIBUTE} must be a dict of "
-            f"loss name -> loss tensor, got {losses!r}"
-        )
-    missing = sorted(set(protect or {}) - set(losses))
-    if missing:
-        raise SpecError(
-            f"{_CALLER}: protect names the losses {missing}, but "
-            f"{type(pl_module).__name__}.training_step set {LOSSES_ATTRIBUTE} with "
-            f"{sorted(losses)}; set self.{LOSSES_ATTRIBUTE} = {{'name': loss, ...}} in "
-            f"training_step, with the names used in protect"
-        )

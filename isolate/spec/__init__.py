@@ -5,8 +5,8 @@ model) -> ``IsolationHandle`` (the flags flipped, branches wrapped, groups thawe
 checks run, state saved, everything undone exactly). The modules below, in the order a spec
 travels: ``thaw`` and ``data`` (the declaration), ``plan`` (resolution), ``clock`` and
 ``thawing`` (when a group thaws), ``optimizers`` and ``lr_schedulers`` (how it joins the
-optimizer), ``branches``, ``checks`` and ``cadence`` (what is checked, and when),
-``contracts`` (what a method promises, as data) with ``contract_checks``,
+optimizer), ``branches``, ``checks``, ``verifier`` and ``cadence`` (what is checked, against
+what, and when), ``contracts`` (what a method promises, as data) with ``contract_checks``,
 ``contract_clauses``, ``ema`` and ``reversal`` (how it is checked), ``state`` (saved state),
 ``ranks`` (several processes), ``handle`` and ``isolation`` (the verbs).
 """

@@ -15,7 +15,7 @@ inputs).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -176,16 +176,10 @@ class _Handle(Protocol):
 
     def step(self, *, epoch: int, step: int, record: bool = True) -> list[str]: ...
 
-    def verify(
-        self,
-        losses: Mapping[str, torch.Tensor] | None = None,
-        *,
-        total: torch.Tensor | Sequence[torch.Tensor] | None = None,
-        expected_unused: Sequence[str] = (),
-        checks: Collection[str] = CHECKS,
-        on_violation: Literal["raise", "warn"] = "raise",
-        when: str | None = None,
-    ) -> Any: ...
+    @property
+    def verify(self) -> Callable[..., Any]:
+        """:meth:`IsolationHandle.verify <isolate.spec.handle.IsolationHandle.verify>`, whose
+        signature is stated there only (the Loop passes keywords)."""
 
 
 class Loop:

@@ -20,9 +20,8 @@ from isolate._sharding import check_leaves
 from isolate._text import shown
 from isolate._walker import Names
 from isolate.cutoff import cut_off_parameters
-from isolate.drift import Snapshot, snapshot
+from isolate.drift import Drift, Snapshot, snapshot
 from isolate.errors import (
-    BlindSpotError,
     CutOffError,
     DriftError,
     GradientLeakError,
@@ -155,13 +154,13 @@ def watch(
     frozen: Mapping[str, nn.Parameter],
     norms: Mapping[str, nn.Module],
     *,
-    copy: bool = False,
+    drift: Drift = "fingerprint",
 ) -> Snapshot:
     """A :func:`~isolate.drift.snapshot` of the ``frozen`` parameters, and of the buffers of the
     held ``norms`` when the spec holds BatchNorm in eval mode, by ``state_dict`` key.
 
     Fingerprints by default: any change of any bit is caught for O(number of tensors) memory,
-    but not its size. With ``copy=True`` copies live in host memory (a frozen backbone does
+    but not its size. With ``drift="copy"`` copies live in host memory (a frozen backbone does
     not cost accelerator memory twice) and a report gives the largest change.
     """
     buffers = (
@@ -176,7 +175,7 @@ def watch(
     )
     moving = plan.moving  # an EMA target is frozen to gradients, but moves by its rule
     return snapshot(
-        plan.model, names=[n for n in [*frozen, *buffers] if n not in moving], copy=copy
+        plan.model, names=[n for n in [*frozen, *buffers] if n not in moving], drift=drift
     )
 
 
@@ -224,16 +223,6 @@ def check_reach(
             CutOffError(
                 f"{caller}: {when}, {result}\nFix: connect them to the loss, freeze them if "
                 f"they are not meant to learn, or declare them with expected_unused="
-            )
-        )
-    elif result.unseen:
-        found.append(
-            BlindSpotError(
-                f"{caller}: {when}, cannot tell whether {len(result.unseen)} trainable "
-                f"parameters are reached: {shown(result.unseen)}; the loss's graph holds a "
-                f"reentrant checkpoint, which re-runs code in backward that the graph does not "
-                f"show. Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
-                f"list them in expected_unused="
             )
         )
     return result.trainable, found
@@ -415,6 +404,21 @@ def checked_losses(
     return losses
 
 
+def _check_contracts(
+    contracts: ContractWatch,
+    losses: Mapping[str, torch.Tensor] | None,
+    total: torch.Tensor | Sequence[torch.Tensor] | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    checks: Collection[str],
+    when: str,
+) -> tuple[dict[str, int], list[IsolationError]]:
+    totals = None if total is None else [total] if torch.is_tensor(total) else list(total)
+    # The named losses' check before backward leaves what the optimizer step may move
+    # (optimizers, modes, drift) to the check after the step.
+    state = "drift" in checks or "losses" not in checks
+    return contracts.check(losses, totals, optimizers, when, state=state)
+
+
 def run_checks(
     plan: Plan,
     frozen: Mapping[str, nn.Parameter],
@@ -442,14 +446,8 @@ def run_checks(
     with shared_reruns():
         counts: dict[str, int] = {}
         if "losses" in checks and losses is not None:
-            counts, leaks = check_losses(
-                plan,
-                frozen,
-                checked_losses(plan, losses, branches.overflow, caller),
-                branches.inputs,
-                when,
-                caller,
-            )
+            named = checked_losses(plan, losses, branches.overflow, caller)
+            counts, leaks = check_losses(plan, frozen, named, branches.inputs, when, caller)
             found += leaks
         total, expected_unused = reach
         reached = 0
@@ -467,11 +465,7 @@ def run_checks(
             found += check_optimizers(frozen, optimizers, when, caller, thawed)
         kept: dict[str, int] = {}
         if "contracts" in checks and contracts:
-            totals = None if total is None else [total] if torch.is_tensor(total) else list(total)
-            # The named losses' check before backward leaves what the optimizer step may move
-            # (optimizers, modes, drift) to the check after the step.
-            state = "drift" in checks or "losses" not in checks
-            kept, broken = contracts.check(losses, totals, optimizers, when, state=state)
+            kept, broken = _check_contracts(contracts, losses, total, optimizers, checks, when)
             found = broken + found  # a method's clause says more than the generic check it implies
     ranks = world_size() if "ranks" in checks else 1
     if ranks > 1:  # every rank also learns what the others found: one verdict for all

@@ -35,6 +35,7 @@ from isolate.spec.contracts import Contract
 __all__ = [
     "Clauses",
     "Context",
+    "MustMove",
     "Outcome",
     "Recorded",
     "Window",
@@ -84,6 +85,12 @@ class Context:
             check_leaves(found, [self.model], self.caller)
             self._walks[key] = found.leaves
         return self._walks[key]
+
+    def loss_of(self, contract: Contract) -> torch.Tensor | None:
+        """The named loss ``contract`` reads, if this check was given it."""
+        if self.losses is None or contract.loss not in self.losses:
+            return None
+        return self.losses[str(contract.loss)]
 
     def reached_by(self, loss: str) -> dict[int, torch.Tensor]:
         assert self.losses is not None  # every caller checks first
@@ -168,7 +175,7 @@ class Window:
 
     def open(self, step: int, model: nn.Module, names: Iterable[str]) -> None:
         if self.start is None:
-            self.start, self._snap = step, snapshot(model, names=list(names), copy=False)
+            self.start, self._snap = step, snapshot(model, names=list(names), drift="fingerprint")
 
     def due(self, step: int, within: int) -> bool:
         return self.start is not None and step - self.start >= within
@@ -277,7 +284,9 @@ class Teacher(Clauses):
             for b in m.buffers(recurse=False)
             if id(b) in names.of_id and names.of_id[id(b)] not in buffers
         ]
-        self.snap: Snapshot | None = snapshot(model, names=[*self.params, *buffers], copy=False)
+        self.snap: Snapshot | None = snapshot(
+            model, names=[*self.params, *buffers], drift="fingerprint"
+        )
 
     def graph(self, ctx: Context) -> list[Outcome]:
         return no_loss_reaches(ctx, self.contract, "no loss reaches it", self.params)
@@ -332,7 +341,8 @@ class StopGradient(Clauses):
     def graph(self, ctx: Context) -> list[Outcome]:
         contract, out = self.contract, list[Outcome]()
         clause = "does not reach the blocked side"
-        if ctx.losses is not None and contract.loss in ctx.losses:
+        loss = ctx.loss_of(contract)
+        if loss is not None:
             stop = None
             route = ""
             if self.through is not None:
@@ -350,7 +360,6 @@ class StopGradient(Clauses):
                         )
                     ]
                 stop, route = nodes.__contains__, f" outside the route through {contract.through!r}"
-            loss = ctx.losses[str(contract.loss)]
             leaves = ctx.leaves((contract.loss, "stop", id(self)), [loss], stop)
             hit = reached_names(ctx, self.blocked, leaves)
             out.append(
@@ -374,25 +383,32 @@ class StopGradient(Clauses):
         return out
 
 
-class _Moves:
-    """A window over which selected tensors must change (probe, trains)."""
+class MustMove(Clauses):
+    """Clauses over the parameters ``select`` picks that must change within ``within``
+    optimizer steps: a window opens at a step, and closes (:meth:`still`) once it is due."""
 
-    def __init__(self) -> None:
+    def __init__(self, contract: Contract, model: nn.Module, names: Names, caller: str) -> None:
+        super().__init__(contract, model, names, caller)
+        self.params = params_of(model, names, contract.select, self.where)
         self.window = Window()
 
-    def open_on(self, step: int, model: nn.Module, keys: Iterable[str]) -> None:
-        self.window.open(step, model, keys)
+    def open(self, step: int, model: nn.Module) -> None:
+        self.window.open(step, model, self.params)
+
+    def due(self, step: int) -> bool:
+        return self.window.due(step, self.contract.steps)
 
     def release(self) -> None:
         self.window = Window()
 
-    def unchanged(self) -> tuple[int, list[str]]:
+    def still(self) -> tuple[int, list[str]]:
+        """The window's first step, and the parameters that did not change over it."""
         start, snap = self.window.close()
         moved = snap.changed()
         return start, [n for n in snap.names if n not in moved]
 
 
-class Probe(Clauses):
+class Probe(MustMove):
     """``{kind: probe, select, loss, within}``: an online probe on frozen-for-it features."""
 
     CLAUSES = (
@@ -401,14 +417,9 @@ class Probe(Clauses):
         "the probe moves",
     )
 
-    def __init__(self, contract: Contract, model: nn.Module, names: Names, caller: str) -> None:
-        super().__init__(contract, model, names, caller)
-        self.params = params_of(model, names, contract.select, self.where)
-        self.moves = _Moves()
-
     def graph(self, ctx: Context) -> list[Outcome]:
         contract, out = self.contract, list[Outcome]()
-        if ctx.losses is None or contract.loss not in ctx.losses:
+        if ctx.loss_of(contract) is None:
             return []
         ids = {id(p) for p in self.params.values()}
         own = ctx.reached_by(str(contract.loss))
@@ -417,24 +428,15 @@ class Probe(Clauses):
         detail = f"loss {contract.loss!r} also reaches {shown(outside)}"
         out.append((clause, ctx.fail(contract, clause, detail) if outside else None))
         clause = "no other loss reaches the probe"
-        others = [n for n in ctx.losses if n != contract.loss]
+        others = [n for n in ctx.losses or {} if n != contract.loss]
         hits = [(n, reached_names(ctx, self.params, ctx.reached_by(n))) for n in others]
         hits = [(n, h) for n, h in hits if h]
         detail = "; ".join(f"loss {n!r} reaches {shown(h)}" for n, h in hits)
         out.append((clause, ctx.fail(contract, clause, detail) if hits else None))
         return out
 
-    def open(self, step: int, model: nn.Module) -> None:
-        self.moves.open_on(step, model, self.params)
-
-    def due(self, step: int) -> bool:
-        return self.moves.window.due(step, self.contract.steps)
-
-    def release(self) -> None:
-        self.moves.release()
-
     def close(self, ctx: Context) -> list[Outcome]:
-        start, still = self.moves.unchanged()
+        start, still = self.still()
         clause = "the probe moves"
         detail = (
             f"{shown(still)} did not change in the {self.contract.steps} optimizer step(s) "
@@ -443,13 +445,11 @@ class Probe(Clauses):
         return [(clause, ctx.fail(self.contract, clause, detail) if still else None)]
 
 
-class Trains(Clauses):
+class Trains(MustMove):
     """``{kind: trains, select, within}``: parameters that must learn."""
 
     def __init__(self, contract: Contract, model: nn.Module, names: Names, caller: str) -> None:
         super().__init__(contract, model, names, caller)
-        self.params = params_of(model, names, contract.select, self.where)
-        self.moves = _Moves()
         self.CLAUSES = ("reached by the loss", f"changes within {contract.steps} step(s)")
 
     def graph(self, ctx: Context) -> list[Outcome]:
@@ -464,17 +464,8 @@ class Trains(Clauses):
         )
         return [(clause, ctx.fail(self.contract, clause, detail) if cut else None)]
 
-    def open(self, step: int, model: nn.Module) -> None:
-        self.moves.open_on(step, model, self.params)
-
-    def due(self, step: int) -> bool:
-        return self.moves.window.due(step, self.contract.steps)
-
-    def release(self) -> None:
-        self.moves.release()
-
     def close(self, ctx: Context) -> list[Outcome]:
-        start, still = self.moves.unchanged()
+        start, still = self.still()
         clause = self.CLAUSES[1]
         detail = (
             f"{shown(still)} did not change from step {start} to step {start + self.contract.steps}"

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from isolate._sharding import settle
-from isolate.drift import Snapshot
 from isolate.errors import (
     IsolationWarning,
     SpecError,
@@ -25,18 +24,14 @@ from isolate.errors import (
 from isolate.freezing import FreezeHandle
 from isolate.spec.branches import Branches
 from isolate.spec.cadence import CHECKS, Cadence, Loop, StepGuard
-from isolate.spec.checks import (
-    Tally,
-    Verification,
-    run_checks,
-    watch,
-)
+from isolate.spec.checks import Tally, Verification
 from isolate.spec.contract_checks import ContractWatch
 from isolate.spec.identity import require_held
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
 from isolate.spec.thawing import Thaws
+from isolate.spec.verifier import Verifier
 
 __all__ = ["IsolationHandle", "Tally", "warn_user"]
 
@@ -99,13 +94,34 @@ class IsolationHandle:
         self.position = {"epoch": 0, "global_step": 0}  # updated in place: the link reads it
         self._link = OptimizerLink(caller, warn, self.position)
         self._thaws = Thaws(plan, self._link, caller)
-        self.drift: Literal["fingerprint", "copy"] = "fingerprint"
-        self._watch: Snapshot | None = None
         self._active = False
         self.contracts = ContractWatch(plan.contracts, plan.model, caller)
+        self._verifier = Verifier(
+            plan,
+            self._thaws,
+            self._link,
+            self._branches,
+            self.contracts,
+            self.position,
+            caller=caller,
+            warn=warn,
+        )
         self.loop = Loop(self, Cadence())
         self._step_guard = StepGuard(self.caller, plan.spec.thaw, self._thaws.applied)
-        self.tally = Tally()  # what every verify that found nothing checked, added up
+
+    @property
+    def tally(self) -> Tally:
+        """What every :meth:`verify` that found nothing checked, added up."""
+        return self._verifier.tally
+
+    @property
+    def drift(self) -> Literal["fingerprint", "copy"]:
+        """How :meth:`verify` watches frozen tensors: ``"fingerprint"`` or ``"copy"``."""
+        return self._verifier.drift
+
+    @drift.setter
+    def drift(self, drift: Literal["fingerprint", "copy"]) -> None:
+        self._verifier.drift = drift
 
     def start(self) -> None:
         """Freeze, hold and wrap as the plan says (undone by :meth:`restore`)."""
@@ -122,7 +138,7 @@ class IsolationHandle:
                     plan.spec.policy,
                 )
             self._branches.wrap(plan.wraps)
-            self._watch = self._new_watch()
+            self._verifier.watch()
         except BaseException:
             self.restore()
             raise
@@ -146,7 +162,7 @@ class IsolationHandle:
             self._link.restore()
         else:
             self._link.release()
-        self._watch = None
+        self._verifier.stop()
         self._active = False
 
     def attach(
@@ -190,7 +206,7 @@ class IsolationHandle:
             warn=not built_before_apply,
         )
         self._step_guard.watch(self._link.optimizers)
-        self._watch = self._new_watch()
+        self._verifier.watch()
 
     def thaw(
         self, name: str, optimizer: object = None, lr: float | None = None
@@ -217,7 +233,7 @@ class IsolationHandle:
         """
         self._require_active("thaw")
         group = self._thaws.thaw(name, optimizer, lr, self.position)
-        self._watch = self._new_watch() if self._watch is not None else None
+        self._verifier.renew()
         return group
 
     def step(self, *, epoch: int, step: int, record: bool = True) -> list[str]:
@@ -302,31 +318,14 @@ class IsolationHandle:
                 than recorded since the last :meth:`step`.
         """
         self._require_active("verify")
-        unknown = sorted(set(checks) - set(CHECKS))
-        if unknown:
-            raise SpecError(f"{self.caller}.verify(): unknown checks {unknown}; use {list(CHECKS)}")
-        when = when or f"at epoch {self.position['epoch']}, step {self.position['global_step']}"
-        verification, found, self._watch = run_checks(
-            self.plan,
-            self.frozen_parameters(),
+        return self._verifier.verify(
             losses,
-            (total, tuple(expected_unused)),
-            self._branches,
-            self._watch,
-            self._link.optimizers,
-            checks,
-            when,
-            self.caller,
-            self._thaws.thawed_parameters(),
-            self.contracts,
+            total=total,
+            expected_unused=expected_unused,
+            checks=checks,
+            on_violation=on_violation,
+            when=when,
         )
-        if found and on_violation == "raise":
-            raise found[0]
-        for error in found:
-            self._warn(str(error))
-        if not found:
-            self.tally.add(verification, checks)
-        return verification
 
     def check_every(
         self,
@@ -350,11 +349,6 @@ class IsolationHandle:
         cadence.validate(self.caller)
         self.loop = Loop(self, cadence)
         return self.loop
-
-    def _new_watch(self) -> Snapshot:
-        return watch(
-            self.plan, self.frozen_parameters(), self.frozen_norms(), copy=self.drift == "copy"
-        )
 
     @property
     def frozen(self) -> tuple[str, ...]:
@@ -415,8 +409,7 @@ class IsolationHandle:
         except BaseException:
             self._thaws.phases.load_state_dict(phases, self.caller)
             raise
-        if self._watch is not None:
-            self._watch = self._new_watch()
+        self._verifier.renew()
 
     def _require_active(self, what: str) -> None:
         if not self._active:

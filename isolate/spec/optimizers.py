@@ -147,6 +147,34 @@ def place(
     return held, placements
 
 
+def _receiver(g: Group, count: int, homes: list[int], where: str) -> int:
+    """Which of ``count`` optimizers receives group ``g`` once thawed: the one it names, else
+    the one its parameters came from (``homes``), else the only one."""
+    if g.thaw.optimizer_idx is not None:
+        if g.thaw.optimizer_idx >= count:
+            raise SpecError(
+                f"{where}: optimizer_idx={g.thaw.optimizer_idx} but there are "
+                f"{count} optimizer(s); its parameters {shown(g.params)} would be in "
+                f"no optimizer once thawed"
+            )
+        return int(g.thaw.optimizer_idx)
+    if len(homes) == 1:
+        return homes[0]
+    if len(homes) > 1:
+        raise SpecError(
+            f"{where}: its parameters sit in optimizers {homes}; say which one receives them "
+            f"with optimizer_idx="
+        )
+    if count == 1:
+        return 0
+    raise SpecError(
+        f"{where}: its parameters {shown(g.params)} are in no optimizer and there are "
+        f"{count} optimizers, so once thawed they would be in no optimizer "
+        f"(never learn); set optimizer_idx= in the thaw step"
+        + ("" if count else ", and pass the optimizer")
+    )
+
+
 def _target(
     g: Group,
     optimizers: Sequence[torch.optim.Optimizer],
@@ -159,30 +187,7 @@ def _target(
     )
     homes = sorted({oi for oi, _ in slots})
     absent = [n for n, p in g.params.items() if id(p) not in origin]
-    if g.thaw.optimizer_idx is not None:
-        if g.thaw.optimizer_idx >= len(optimizers):
-            raise SpecError(
-                f"{where}: optimizer_idx={g.thaw.optimizer_idx} but there are "
-                f"{len(optimizers)} optimizer(s); its parameters {shown(g.params)} would be in "
-                f"no optimizer once thawed"
-            )
-        target = g.thaw.optimizer_idx
-    elif len(homes) == 1:
-        target = homes[0]
-    elif len(homes) > 1:
-        raise SpecError(
-            f"{where}: its parameters sit in optimizers {homes}; say which one receives them "
-            f"with optimizer_idx="
-        )
-    elif len(optimizers) == 1:
-        target = 0
-    else:
-        raise SpecError(
-            f"{where}: its parameters {shown(g.params)} are in no optimizer and there are "
-            f"{len(optimizers)} optimizers, so once thawed they would be in no optimizer "
-            f"(never learn); set optimizer_idx= in the thaw step"
-            + ("" if optimizers else ", and pass the optimizer")
-        )
+    target = _receiver(g, len(optimizers), homes, where)
     opt = optimizers[target]
     sources = sorted({gi for oi, gi in slots if oi == target})
     options: dict[str, Any] = {}

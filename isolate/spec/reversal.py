@@ -42,10 +42,9 @@ class Reversal(Clauses):
         self.watch.append((self.classifier, "outputs"))
 
     def graph(self, ctx: Context) -> list[Outcome]:
-        contract = self.contract
-        if ctx.losses is None or contract.loss not in ctx.losses:
+        contract, loss = self.contract, ctx.loss_of(self.contract)
+        if loss is None:
             return []
-        loss = ctx.losses[str(contract.loss)]
         reached = reached_names(ctx, self.feature_params, ctx.reached_by(str(contract.loss)))
         clause = "reaches the features"
         if not reached:

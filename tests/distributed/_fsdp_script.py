@@ -156,7 +156,7 @@ def audits() -> dict[str, Any]:
         model.zero_grad()
     # snapshot: the registered objects change between forward and backward; the shards do not.
     model.cut = True
-    snap = isolate.snapshot(model, copy=False)
+    snap = isolate.snapshot(model, drift="fingerprint")
     main, aux = model(x)
     out["snapshot/after_forward"] = sorted(snap.changed())
     out["snapshot/replaced_after_forward"] = list(snap.replaced())

@@ -123,11 +123,31 @@ def test_scale_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     assert memory["baseline_s"] == sum(
         p.numel() * p.element_size() for p in transformer(2, 64, 4).parameters()
     )
-    assert memory["extra"]["snapshot(copy=True) extra MB"] >= 0
+    assert memory["extra"]["snapshot(drift='copy') extra MB"] >= 0
     callback = rows["callback verification vs training step"]
     assert callback["name"].endswith("checks every 50 steps (amortised)")
     assert callback["extra"]["check / one step"] > 0
     assert rows["gradient_report peak extra memory"]["ok"] is None
+
+
+def test_contracts_section_in_a_tiny_configuration(tmp_path: Path) -> None:
+    sizes = ["--contracts-layers=1", "--contracts-width=16", "--contracts-repeats=1"]
+    assert main(["--only", "contracts", "--output", str(tmp_path), *sizes]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    names = [n for n in rows if n.startswith(("contracts/", "ledger/"))]
+    assert names == [
+        "contracts/IsolationNet probes",
+        "contracts/IsolationNet frozen teacher",
+        "contracts/IsolationNet reversal",
+        "contracts/SimSiam",
+        "contracts/BYOL 2x1x16",
+        "ledger/BYOL 2x1x16",
+    ]
+    teacher = rows["contracts/IsolationNet frozen teacher"]
+    assert teacher["extra"]["contracts"] == ["teacher"] and teacher["limit"] == 0.02
+    assert teacher["ok"] == (teacher["metric"] <= 0.02) and teacher["baseline_s"] > 0
+    ledger = rows["ledger/BYOL 2x1x16"]
+    assert ledger["extra"]["tensors"] > 0 and ledger["limit"] == 1.0
 
 
 def test_the_verification_hook_sees_a_frozen_tensor_move() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from isolate.drift import Snapshot, max_abs_diff, snapshot
+from isolate.drift import Drift, Snapshot, max_abs_diff, snapshot
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
 from tests.toolkit._shared import ALL_DTYPES, OPTIMIZERS, Tied, sample
 
@@ -220,13 +220,13 @@ def test_snapshot_errors(call: Callable[[], Any], error: type[Exception], messag
 
 
 # --------------------------------------------------------------------------------------------
-# snapshot(copy=False): fingerprints instead of copies
+# snapshot(drift="fingerprint"): fingerprints instead of copies
 
 
 def test_fingerprint_snapshot_finds_what_moved_and_says_the_size_is_unknown() -> None:
     model = mnist_cnn()
-    snap = snapshot(model, copy=False)
-    assert not snap.copies and snapshot(model).copies
+    snap = snapshot(model, drift="fingerprint")
+    assert snap.drift == "fingerprint" and snapshot(model).drift == "copy"
     assert repr(snap) == "Snapshot(Sequential: 6 parameters, 3 buffers, fingerprints)"
     assert snap.changed() == {}
     snap.assert_unchanged()
@@ -244,7 +244,7 @@ def test_fingerprint_snapshot_finds_what_moved_and_says_the_size_is_unknown() ->
     assert re.search(
         r"5\.weight +\(parameter, requires_grad=True\) changed \(fingerprint differs", message
     )
-    assert "copy=True" in message and "bn='eval'" in message
+    assert "drift='copy'" in message and "bn='eval'" in message
     with pytest.raises(IsolationTypeError, match=r"^changed\(\): atol=0.1 needs the size"):
         snap.changed(atol=0.1)
     with pytest.raises(IsolationTypeError, match=r"^assert_unchanged\(\): atol=0.1 needs"):
@@ -254,7 +254,7 @@ def test_fingerprint_snapshot_finds_what_moved_and_says_the_size_is_unknown() ->
 def test_fingerprint_snapshot_shape_changes_and_missing_names() -> None:
     model = nn.Linear(2, 2)
     model.register_buffer("steps", torch.tensor(3))
-    snap = snapshot(model, copy=False)
+    snap = snapshot(model, drift="fingerprint")
     model.weight = nn.Parameter(torch.zeros(3, 3))
     del model.steps
     assert snap.changed() == {"weight": math.inf, "steps": math.inf}
@@ -267,7 +267,7 @@ def test_fingerprint_snapshot_holds_no_copy() -> None:
     """O(number of tensors) memory: no tensor of any size, and no reference that keeps a
     replaced parameter alive."""
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
-    snap = snapshot(model, copy=False)
+    snap = snapshot(model, drift="fingerprint")
     held = [
         value
         for entry in snap._entries
@@ -291,20 +291,20 @@ def test_tied_parameters_share_one_fingerprint() -> None:
     embed, decoder = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
     decoder.weight = embed.weight
     model = nn.ModuleDict({"embed": embed, "decoder": decoder})
-    snap = snapshot(model, copy=False)
+    snap = snapshot(model, drift="fingerprint")
     assert snap.names == ("embed.weight", "decoder.weight")
     with torch.no_grad():
         embed.weight[4, 2] = -embed.weight[4, 2]
     assert set(snap.changed()) == {"embed.weight", "decoder.weight"}
 
 
-@pytest.mark.parametrize("copy", [True, False], ids=["copy", "fingerprint"])
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_every_dtype_in_both_modes(dtype: torch.dtype, copy: bool) -> None:
+def test_every_dtype_in_both_modes(dtype: torch.dtype, drift: Drift) -> None:
     model = nn.Module()
     model.register_buffer("b", sample(dtype, 5, 3))
     model.p = nn.Parameter(sample(dtype, 4), requires_grad=False)  # type: ignore[assignment]
-    snap = snapshot(model, copy=copy)
+    snap = snapshot(model, drift=drift)
     assert snap.changed() == {}
     with torch.no_grad():
         if dtype == torch.bool:
@@ -313,17 +313,20 @@ def test_every_dtype_in_both_modes(dtype: torch.dtype, copy: bool) -> None:
             model.b[2, 1] = model.b[2, 1] + 1
     changed = snap.changed()
     assert list(changed) == ["b"]
-    assert changed["b"] == pytest.approx(1.0, rel=0.01) if copy else math.isnan(changed["b"])
+    if drift == "copy":
+        assert changed["b"] == pytest.approx(1.0, rel=0.01)
+    else:
+        assert math.isnan(changed["b"])
 
 
-@pytest.mark.parametrize("copy", [True, False], ids=["copy", "fingerprint"])
-def test_sparse_buffers_in_both_modes(copy: bool) -> None:
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_sparse_buffers_in_both_modes(drift: Drift) -> None:
     """Sparse buffers are compared by their values (torch.equal is not implemented for sparse
     tensors), an entry that moved included."""
     model = nn.Module()
     model.register_buffer("coo", torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,)).coalesce())
     model.register_buffer("csr", torch.eye(3).to_sparse_csr())
-    snap = snapshot(model, copy=copy)
+    snap = snapshot(model, drift=drift)
     assert snap.changed() == {}
     snap.assert_unchanged()
     with torch.no_grad():
@@ -331,13 +334,13 @@ def test_sparse_buffers_in_both_modes(copy: bool) -> None:
         model.csr.values()[0] = 3.0
     changed = snap.changed()
     assert list(changed) == ["coo", "csr"]
-    if copy:
+    if drift == "copy":
         assert changed == {"coo": 0.5, "csr": 2.0}
         with pytest.raises(DriftError, match=r"coo +\(buffer\) max\|Δ\|=5\.000e-01 in 1 of"):
             snap.assert_unchanged()
     model.coo = torch.sparse_coo_tensor([[1, 2]], [1.0, 2.5], (4,))  # an entry moved
     moved = snap.changed()["coo"]
-    assert moved == 1.0 if copy else math.isnan(moved)
+    assert moved == 1.0 if drift == "copy" else math.isnan(moved)
 
 
 def test_max_abs_diff_of_sparse_tensors() -> None:
@@ -361,24 +364,24 @@ def swa_like_reset(bn: nn.BatchNorm1d) -> None:
     bn.running_var = torch.ones_like(bn.running_var)
 
 
-@pytest.mark.parametrize("copy", [True, False], ids=["copy", "fingerprint"])
-def test_a_replaced_buffer_is_checked_by_its_new_value(copy: bool) -> None:
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_a_replaced_buffer_is_checked_by_its_new_value(drift: Drift) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     with torch.no_grad():
         model[1].running_mean.fill_(0.5)
         model[1].running_var.fill_(2.0)
     model[0].requires_grad_(False)
     held = ["0.weight", "0.bias", "1.running_mean", "1.running_var"]
-    by_name = snapshot(model, names=held, copy=copy)
+    by_name = snapshot(model, names=held, drift=drift)
     captured = snapshot(
         {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n in held},
-        copy=copy,
+        drift=drift,
     )
     assert by_name.names == tuple(held)
     swa_like_reset(model[1])
     changed = by_name.changed()
     assert list(changed) == ["1.running_mean", "1.running_var"]
-    if copy:
+    if drift == "copy":
         assert changed == {"1.running_mean": 0.5, "1.running_var": 1.0}
     assert by_name.replaced() == ("1.running_mean", "1.running_var")
     with pytest.raises(DriftError, match=r"1\.running_var +\(buffer, replaced by a new object\)"):
@@ -396,6 +399,8 @@ def test_names_errors() -> None:
     with pytest.raises(IsolationTypeError, match=r"^snapshot\(\): names= selects from a module"):
         snapshot({"a": torch.zeros(1)}, names=["a"])
     assert snapshot(model, names="1.running_mean").names == ("1.running_mean",)
+    with pytest.raises(SelectorError, match=r"^snapshot\(\): drift=.none. is not a way to record"):
+        snapshot(model, drift="none")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------

@@ -159,8 +159,8 @@ def test_a_print_is_checked_by_its_own_scheme(monkeypatch: pytest.MonkeyPatch) -
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     with monkeypatch.context() as m:
         m.setattr(fingerprinting, "scheme_of", lambda t: "device")  # as if on a GPU
-        snap = snapshot(model, copy=False)
-        picked = snapshot(model, names=["0.weight", "1.running_mean"], copy=False)
+        snap = snapshot(model, drift="fingerprint")
+        picked = snapshot(model, names=["0.weight", "1.running_mean"], drift="fingerprint")
     assert {e.print.scheme for e in snap._entries if e.print} == {"device"}
     assert snap.changed() == {} and picked.changed() == {}  # now read on the host
     with torch.no_grad():
@@ -215,8 +215,8 @@ def test_fingerprint_of_a_dtensor_is_that_of_its_shard() -> None:
         assert fingerprint(shard) == fingerprint(shard.to_local())
         model = nn.Linear(3, 4)
         model.weight = nn.Parameter(shard)
-        for copy in (True, False):
-            snap = snapshot(model, copy=copy)
+        for drift in ("copy", "fingerprint"):
+            snap = snapshot(model, drift=drift)
             assert snap.changed() == {}
             with torch.no_grad():
                 model.weight.to_local()[1, 2] += 1.0
@@ -263,7 +263,7 @@ def test_tensors_without_values_in_memory_are_refused_not_read() -> None:
     model = nn.Linear(2, 2)
     model.register_buffer("fake", fake)
     with pytest.raises(IsolationTypeError, match=r"a fake or functional tensor"):
-        snapshot(model, copy=False)
+        snapshot(model, drift="fingerprint")
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_every_single_bit_flip_is_caught_by_a_batched_snapshot(dtype: torch.dtyp
     model = nn.Module()
     model.register_buffer("a", sample(dtype, 7))
     model.register_buffer("b", sample(dtype, 5, seed=1))
-    snap = snapshot(model, copy=False)
+    snap = snapshot(model, drift="fingerprint")
     for buffer, name in ((model.a, "a"), (model.b, "b")):
         original = buffer.clone()
         for _, _, flipped in every_single_bit_flip(original):
@@ -306,7 +306,7 @@ def test_sign_flips_do_not_cancel_in_a_batched_snapshot() -> None:
     model = nn.Module()
     for i, dtype in enumerate(ALL_DTYPES[:6]):
         model.register_buffer(f"t{i}", sample(dtype, 2048))
-    snap = snapshot(model, copy=False)
+    snap = snapshot(model, drift="fingerprint")
     for name, t in model.named_buffers():
         original = t.clone()
         for i, j in [(0, 1), (0, 2), (3, 515), (1, 2047)]:

@@ -1,9 +1,4 @@
-"""Benchmark: what contracts and the ledger cost, each as a ratio measured in one run.
-
-::
-
-    python -m experiments.bench_contracts            # the suite's models and a 302M model
-    python -m experiments.bench_contracts --quick    # small sizes, a minute
+"""What contracts and the ledger cost, each as a ratio measured in one run.
 
 Rows (each a ratio against training measured in the same run; ``ok`` applies the limit):
 
@@ -15,34 +10,47 @@ Rows (each a ratio against training measured in the same run; ``ok`` applies the
   The suite's models are :class:`experiments.model.IsolationNet` (probes, a frozen teacher
   trunk, a reversal) and :class:`experiments.simsiam.SimSiam` on MNIST-shaped batches of 128;
   the large model is a BYOL-like pair: an online MLP of residual blocks and its EMA target
-  (``--layers`` blocks of width ``--width`` each, 302M parameters in all by default), with an
-  ``ema`` and a ``trains`` contract.
+  (``--contracts-layers`` blocks of width ``--contracts-width`` each, 302M parameters in all by
+  default), with an ``ema`` and a ``trains`` contract.
 * ``ledger/<model>``: :func:`isolate.ledger.ledger` with its loss, optimizer and handle, over
   one ``loss.backward()`` of the same model: ``<= 1``.
 
 Every figure is a median over repeats, the phases with and without contracts interleaved so
-that slow phases of a shared machine hit both. Results are printed and written to
-``<output>/contracts.json``.
+that slow phases of a shared machine hit both; at one torch thread (``--contracts-threads``).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.bench._rows import Row
 from isolate.ledger import ledger
 from isolate.spec import IsolationSpec
+
+__all__ = ["QUICK_CONTRACTS", "ContractsConfig", "contract_cost", "ledger_cost", "run"]
+
+
+@dataclass(frozen=True)
+class ContractsConfig:
+    """Sizes of the ``contracts`` section (``--contracts-*`` options): the large model's
+    blocks and width, repeats per measurement, and torch threads."""
+
+    layers: int = 18
+    width: int = 1024
+    repeats: int = 3
+    threads: int = 1
+
+
+QUICK_CONTRACTS = ContractsConfig(layers=2, width=256, repeats=2)
 
 EVERY = 50  # the callback's default verify_every_n_steps
 Losses = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -117,7 +125,7 @@ def _phase(
     return out
 
 
-def contract_cost(case: Case, shape: tuple[int, ...], repeats: int) -> dict[str, Any]:
+def contract_cost(case: Case, shape: tuple[int, ...], repeats: int) -> Row:
     """Per check: the loop's time on a check step and the step after (which closes the
     windows), less twice its time on a step without checks; with and without contracts."""
     gen = torch.Generator().manual_seed(0)
@@ -133,23 +141,20 @@ def contract_cost(case: Case, shape: tuple[int, ...], repeats: int) -> dict[str,
             steps += [s for _, s in timed[2:]]
     step = statistics.median(steps)
     with_c, without = statistics.median(cycle[True]), statistics.median(cycle[False])
-    ratio = max(with_c - without, 0.0) / (EVERY * step)
-    return {
-        "row": f"contracts/{case.name}",
+    extra = {
         "contracts": [c["kind"] for c in case.spec.get("contracts", [])],
         "parameters": sum(p.numel() for p in case.model.parameters()),
-        "step_s": step,
         "check_with_contracts_s": with_c,
         "check_without_contracts_s": without,
         "contracts_per_check_s": with_c - without,
-        "ratio": ratio,
         "all_checks_ratio": with_c / (EVERY * step),
-        "limit": 0.02,
-        "ok": ratio <= 0.02,
     }
+    return Row(f"contracts/{case.name}", f"contract checks per step (checks every {EVERY})",
+               "one training step", max(with_c - without, 0.0) / EVERY, step, "<= 0.02", None,
+               extra, limit=0.02)  # fmt: skip
 
 
-def ledger_cost(case: Case, shape: tuple[int, ...], repeats: int) -> dict[str, Any]:
+def ledger_cost(case: Case, shape: tuple[int, ...], repeats: int) -> Row:
     """The ledger of the model with its loss, optimizer and handle, over one backward."""
     gen = torch.Generator().manual_seed(1)
     model = case.model
@@ -173,18 +178,14 @@ def ledger_cost(case: Case, shape: tuple[int, ...], repeats: int) -> dict[str, A
                 backwards.append(back)
     finally:
         handle.restore()
-    ratio = statistics.median(books) / statistics.median(backwards)
-    return {
-        "row": f"ledger/{case.name}",
+    extra = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "tensors": len(book.rows),
         "summary": book.summary_line(),
-        "ledger_s": statistics.median(books),
-        "backward_s": statistics.median(backwards),
-        "ratio": ratio,
-        "limit": 1.0,
-        "ok": ratio <= 1.0,
     }
+    return Row(f"ledger/{case.name}", "ledger(model, losses, optimizer, spec=handle)",
+               "loss.backward()", statistics.median(books), statistics.median(backwards),
+               "<= 1", None, extra, limit=1.0)  # fmt: skip
 
 
 # -- the cases --------------------------------------------------------------------------------
@@ -202,39 +203,49 @@ def _net_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Losses:
     return total, dict(model.losses)
 
 
-def suite_cases() -> list[Case]:
-    from experiments.model import Branch, IsolationNet
+def _net(*branches: Any) -> nn.Module:
+    """The suite's IsolationNet with ``branches``, seeded, its logging off."""
+    from experiments.model import IsolationNet
+
+    torch.manual_seed(0)
+    model = IsolationNet(branches=branches)
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]
+    return model
+
+
+def _simsiam() -> nn.Module:
     from experiments.simsiam import SimSiam
 
-    def net(*branches: Branch) -> nn.Module:
-        torch.manual_seed(0)
-        model = IsolationNet(branches=branches)
-        model.log = lambda *a, **k: None  # type: ignore[method-assign]
-        return model
+    torch.manual_seed(0)
+    model = SimSiam()
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]
+    return model
 
-    probes = net(
+
+def _simsiam_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Losses:
+    loss = model.training_step((x, y), 0)
+    return loss, dict(model.isolation_losses)
+
+
+def suite_cases() -> list[Case]:
+    """The suite's models, each with the contracts its variants declare."""
+    from experiments.model import Branch
+
+    probes = _net(
         Branch("probe", "detached", dropout=0.1),
         Branch("ink_probe", "detached", target="ink", seed=2),
     )
-    reversal = net(
+    reversal = _net(
         Branch("adversary", "reversal", target="ink", alpha=-0.1),
         Branch("ink_probe", "detached", target="ink", seed=2),
     )
-    torch.manual_seed(0)
-    simsiam = SimSiam()
-    simsiam.log = lambda *a, **k: None  # type: ignore[method-assign]
-
-    def simsiam_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Losses:
-        loss = model.training_step((x, y), 0)
-        return loss, dict(model.isolation_losses)
-
     probe = {"kind": "probe", "select": "branches.probe", "loss": "probe"}
     ink = {"kind": "probe", "select": "branches.ink_probe", "loss": "ink_probe"}
     return [
         Case("IsolationNet probes", probes, _sgd, _net_losses, {"contracts": [probe, ink]}),
         Case(
             "IsolationNet frozen teacher",
-            net(),
+            _net(),
             _sgd,
             _net_losses,
             {
@@ -263,9 +274,9 @@ def suite_cases() -> list[Case]:
         ),
         Case(
             "SimSiam",
-            simsiam,
+            _simsiam(),
             _sgd,
-            simsiam_losses,
+            _simsiam_losses,
             {
                 "contracts": [
                     {
@@ -322,45 +333,17 @@ def large_case(layers: int, width: int) -> Case:
     return Case("BYOL 2x" + f"{layers}x{width}", model, _sgd, losses, spec, ema)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="small sizes and fewer repeats")
-    parser.add_argument("--layers", type=int, default=18, help="blocks of the large online net")
-    parser.add_argument("--width", type=int, default=1024, help="width of the large model")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--output", default="outputs/bench", help="folder for contracts.json")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    layers, width = (2, 256) if args.quick else (args.layers, args.width)
-    repeats = args.repeats or (2 if args.quick else 3)
-    rows: list[dict[str, Any]] = []
-    for case in suite_cases():
-        rows.append(contract_cost(case, (128, 1, 28, 28), repeats))
-        print(json.dumps(rows[-1]), flush=True)
-    large = large_case(layers, width)
-    shape = (64, width)
-    rows.append(contract_cost(large, shape, repeats))
-    print(json.dumps(rows[-1]), flush=True)
-    rows.append(ledger_cost(large, shape, repeats))
-    print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "every": EVERY,
-        "quick": args.quick,
-        "rows": rows,
-    }
-    (out / "contracts.json").write_text(json.dumps(payload, indent=2))
-    print()
-    print("| row | parameters | ratio | limit | ok |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['row']} | {r['parameters']:,} | {r['ratio']:.4f} | {r['limit']} | {r['ok']} |")
-    return 0 if all(r["ok"] for r in rows) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run(config: ContractsConfig) -> list[Row]:
+    """The suite's models, then the large one (contracts and the ledger), at
+    ``config.threads`` torch threads (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        rows = [contract_cost(case, (128, 1, 28, 28), config.repeats) for case in suite_cases()]
+        large = large_case(config.layers, config.width)
+        shape = (64, config.width)
+        rows.append(contract_cost(large, shape, config.repeats))
+        rows.append(ledger_cost(large, shape, config.repeats))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
