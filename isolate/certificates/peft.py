@@ -189,27 +189,11 @@ def adapter_claims(
         )
         for k, m in metas.items()
     }
-    if adapter is not None:
-        deltas = _deltas(config, metas, adapter)
-        if not deltas:
-            raise CertificateError(
-                f"{CALLER}: the adapter {adapter.path.name} holds no LoRA factors (keys ending "
-                f"'.lora_A.weight'); its keys start {list(adapter.metas)[:3]}"
-            )
-        for key, delta in deltas.items():
-            rank = f"sqrt({delta.rank})" if config.use_rslora else str(delta.rank)
-            claims[key] = Claim("merged", f"LoRA merge, scale {delta.alpha:g}/{rank}", lora=delta)
-    else:
-        modules = sorted({k.rpartition(".")[0] for k in names})
-        targeted = [m + ".weight" for m in modules if config.targets(m) and m + ".weight" in metas]
-        if not targeted:
-            raise CertificateError(
-                f"{CALLER}: target_modules {_shown(config.target_modules)} names no module of "
-                f"{where} "
-                f"that has a weight; give the adapter's weights (adapter=) so its keys decide"
-            )
-        for key in targeted:
-            claims[key] = Claim("trainable", "LoRA target, merged (adapter weights not given)")
+    claims.update(
+        _merged(config, metas, adapter)
+        if adapter is not None
+        else _targeted(config, metas, where=where)
+    )
     saved_keys = [
         k for m in config.modules_to_save for k in _module_keys(names, m, "modules_to_save", where)
     ]
@@ -233,3 +217,38 @@ def adapter_claims(
             rows.update({k: indices for k in keys if k.endswith(".weight")})
         with_rows(claims, rows, metas, where=where)
     return claims
+
+
+def _merged(
+    config: LoraConfig, metas: Mapping[str, TensorMeta], adapter: Checkpoint
+) -> dict[str, Claim]:
+    """The claims of the base weights the adapter's LoRA factors merge into."""
+    deltas = _deltas(config, metas, adapter)
+    if not deltas:
+        raise CertificateError(
+            f"{CALLER}: the adapter {adapter.path.name} holds no LoRA factors (keys ending "
+            f"'.lora_A.weight'); its keys start {list(adapter.metas)[:3]}"
+        )
+    claims = {}
+    for key, delta in deltas.items():
+        rank = f"sqrt({delta.rank})" if config.use_rslora else str(delta.rank)
+        claims[key] = Claim("merged", f"LoRA merge, scale {delta.alpha:g}/{rank}", lora=delta)
+    return claims
+
+
+def _targeted(
+    config: LoraConfig, metas: Mapping[str, TensorMeta], *, where: str
+) -> dict[str, Claim]:
+    """The claims of the weights ``target_modules`` names, when no adapter weights are given."""
+    modules = sorted({k.rpartition(".")[0] for k in metas})
+    targeted = [m + ".weight" for m in modules if config.targets(m) and m + ".weight" in metas]
+    if not targeted:
+        raise CertificateError(
+            f"{CALLER}: target_modules {_shown(config.target_modules)} names no module of "
+            f"{where} "
+            f"that has a weight; give the adapter's weights (adapter=) so its keys decide"
+        )
+    return {
+        key: Claim("trainable", "LoRA target, merged (adapter weights not given)")
+        for key in targeted
+    }
