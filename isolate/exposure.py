@@ -116,15 +116,13 @@ def zero_grad_risks(
 
 def unwrap_optimizer(optimizer: object, caller: str) -> torch.optim.Optimizer:
     """``optimizer`` itself, or the optimizer a wrapper holds in ``.optimizer`` (Lightning's
-    ``LightningOptimizer``, Fabric's ``_FabricOptimizer``).
+    ``LightningOptimizer``, Fabric's ``_FabricOptimizer``, accelerate's ``AcceleratedOptimizer``).
 
     Raises:
         IsolationTypeError: neither is a ``torch.optim.Optimizer``.
     """
     inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
-        inner, torch.optim.Optimizer
-    ):
+    if isinstance(inner, torch.optim.Optimizer):  # accelerate's wrapper is an Optimizer too
         optimizer = inner
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise IsolationTypeError(

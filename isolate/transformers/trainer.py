@@ -15,6 +15,7 @@ from isolate.errors import (
     SpecError,
     UnsupportedStrategyError,
 )
+from isolate.exposure import unwrap_optimizer
 from isolate.spec import IsolationSpec
 from isolate.spec.handle import warn_user
 
@@ -114,15 +115,7 @@ def torch_optimizer(trainer: Trainer, caller: str) -> torch.optim.Optimizer:
             f"and frozen parameters cannot be checked out of it; let Trainer build it "
             f"(create_optimizer) or pass optimizers=(optimizer, scheduler)"
         )
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise IsolationTypeError(
-            f"{caller}: the Trainer's optimizer is a {type(optimizer).__name__}, not a "
-            f"torch.optim.Optimizer; use a torch optimizer (TrainingArguments(optim=...))"
-        )
-    return optimizer
+    return unwrap_optimizer(optimizer, caller)
 
 
 def saved_state(stateful: object, key: str) -> dict[str, Any] | None:
