@@ -1,0 +1,98 @@
+"""The device scheme reads a tensor's bytes by whichever route they come (in place, in pieces
+of any size, chunk by chunk) to the same number, and weighs every position differently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isolate import fingerprints as fingerprinting
+from tests.toolkit._shared import every_single_bit_flip, sample
+
+MOD17 = 1 << 17
+
+
+def device(t: torch.Tensor) -> int:
+    """The accelerator scheme, run on this CPU."""
+    return fingerprinting._fingerprint(t, "device")
+
+
+@pytest.fixture
+def small_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines of 32 bytes, chunks of 4 lines, pieces of 52 bytes: a small tensor crosses all."""
+    monkeypatch.setattr(fingerprinting, "_LANES", 8)
+    monkeypatch.setattr(fingerprinting, "_LINES", 4)
+    monkeypatch.setattr(fingerprinting, "_PIECE_BYTES", 52)
+    monkeypatch.setattr(fingerprinting, "_line_weights", {})
+    monkeypatch.setattr(fingerprinting, "_lane_weights", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [7, 9, 13])
+def test_a_strided_tensor_of_any_byte_count_reads_as_its_contiguous_copy(
+    dtype: torch.dtype, rows: int
+) -> None:
+    """Read in pieces, the last word of each reading may hold 1, 2 or 3 bytes."""
+    x = sample(dtype, rows, 5).t()  # non-contiguous: fed to the readings piece by piece
+    assert not x.is_contiguous()
+    assert device(x) == device(x.contiguous())
+    flipped = x.contiguous()
+    flipped.view(torch.uint8).reshape(-1)[-1] ^= 1  # the last byte, read last
+    assert device(flipped.t().contiguous().t()) != device(x)
+
+
+def test_pieces_shorter_than_a_line_are_all_read(small_geometry: None) -> None:
+    """Rows too big for one piece are read one element at a time: every such piece is
+    shorter than a line, and each byte of it still counts."""
+    x = sample(torch.float32, 20, 20).t()  # a row: 80 bytes over 20 strided floats
+    reference = device(x)
+    assert reference == device(x.contiguous())
+    ends = [torch.cat([f, x[2:]]) for byte, _, f in every_single_bit_flip(x[:2]) if byte < 8]
+    prints = {device(f.t().contiguous().t()) for f in ends}
+    assert reference not in prints and len(prints) == 8 * 8
+
+
+def test_the_same_place_in_another_chunk_weighs_differently(small_geometry: None) -> None:
+    """A value moved from the first word of one chunk to the first word of the next changes
+    the print, also when the next chunk holds that one word only."""
+    for words in (33, 65, 97):  # 1, 2 or 3 chunks and one word
+        first = torch.zeros(words, dtype=torch.int32)
+        last = first.clone()
+        first[words - 33] = 1 << 16
+        last[words - 1] = 1 << 16
+        assert device(first) != device(last), words
+
+
+@pytest.mark.parametrize("start", [1, 2, 3])
+def test_a_tensor_starting_at_any_byte_of_its_storage_reads_as_its_copy(start: int) -> None:
+    raw = sample(torch.uint8, 3 * 4096 + 5)
+    x = raw[start:]  # contiguous, but its words are not aligned to the storage
+    assert device(x) == device(x.clone())
+
+
+@pytest.mark.parametrize("stream", [0, 1])
+def test_line_weights_are_odd_distinct_and_never_cancel(stream: int) -> None:
+    """The docstring's guarantee: any change of one word changes its lane's sum (odd weight),
+    and two flips of the same low bit in one lane never cancel (no two weights agree or
+    sum to 0 mod 2**17)."""
+    low = (fingerprinting._weights(stream, torch.device("cpu")).to(torch.int64) % MOD17).tolist()
+    assert len(low) == fingerprinting._LINES
+    assert all(w % 2 == 1 for w in low)
+    assert len(set(low)) == len(low)
+    assert not set(low) & {(MOD17 - w) % MOD17 for w in low}
+    for chunk in (0, 1, 17):
+        mixers = fingerprinting._mixers(chunk, stream, torch.device("cpu"))
+        assert bool((mixers % 2 != 0).all()), chunk
+
+
+def test_prints_do_not_depend_on_the_random_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks and restarts compare prints: the weights come from their own seed, not from the
+    global generator the training run consumes."""
+    x = sample(torch.float32, 3000)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        before = device(x)
+        monkeypatch.setattr(fingerprinting, "_line_weights", {})  # as in a fresh process
+        monkeypatch.setattr(fingerprinting, "_lane_weights", {})
+        torch.manual_seed(2)
+        assert device(x) == before
