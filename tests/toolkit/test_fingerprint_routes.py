@@ -3,10 +3,13 @@ of any size, chunk by chunk) to the same number, and weighs every position diffe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from isolate import fingerprints as fingerprinting
+from isolate.errors import IsolationTypeError
 from tests.toolkit._shared import every_single_bit_flip, sample
 
 MOD17 = 1 << 17
@@ -15,6 +18,10 @@ MOD17 = 1 << 17
 def device(t: torch.Tensor) -> int:
     """The accelerator scheme, run on this CPU."""
     return fingerprinting._fingerprint(t, "device")
+
+
+def by(scheme: fingerprinting.Scheme) -> Callable[[torch.Tensor], int]:
+    return lambda t: fingerprinting._fingerprint(t, scheme)
 
 
 @pytest.fixture
@@ -44,7 +51,7 @@ def test_a_strided_tensor_of_any_byte_count_reads_as_its_contiguous_copy(
 def test_pieces_shorter_than_a_line_are_all_read(small_geometry: None) -> None:
     """Rows too big for one piece are read one element at a time: every such piece is
     shorter than a line, and each byte of it still counts."""
-    x = sample(torch.float32, 20, 20).t()  # a row: 80 bytes over 20 strided floats
+    x = sample(torch.float32, 20, 24).t()  # a row: 80 bytes over 20 strided floats
     reference = device(x)
     assert reference == device(x.contiguous())
     ends = [torch.cat([f, x[2:]]) for byte, _, f in every_single_bit_flip(x[:2]) if byte < 8]
@@ -96,3 +103,39 @@ def test_prints_do_not_depend_on_the_random_state(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(fingerprinting, "_lane_weights", {})
         torch.manual_seed(2)
         assert device(x) == before
+
+
+STRIDED = {
+    "rows per piece": lambda: sample(torch.float32, 3, 40).t(),  # rows of 12 bytes
+    "a row per piece": lambda: sample(torch.float32, 10, 20).t(),  # rows of 40 bytes
+    "one long row": lambda: sample(torch.float32, 20, 20).t()[:1],  # 80 bytes, strided
+    "rows split": lambda: sample(torch.float32, 20, 1, 30).transpose(0, -1),
+}
+
+
+@pytest.mark.parametrize("scheme", ["host", "device"])
+@pytest.mark.parametrize("case", STRIDED)
+def test_strided_tensors_read_in_pieces_as_their_copies(
+    small_geometry: None, scheme: fingerprinting.Scheme, case: str
+) -> None:
+    """Several rows to a piece, one row to a piece, or a row split in pieces: every byte
+    once, in row-major order."""
+    x = STRIDED[case]()
+    assert not x.is_contiguous() and x.numel() * 4 > fingerprinting._PIECE_BYTES
+    fp = by(scheme)
+    assert fp(x) == fp(x.contiguous())
+    assert fp(x) != fp(x.neg())
+
+
+def test_a_stream_allocates_nothing_up_front() -> None:
+    """A tensor read from a file a block at a time is never held whole, not even empty."""
+    stream = fingerprinting.HostFingerprint(torch.float32, (1 << 40,))  # 4 TiB
+    stream.update(b"\0" * 16)
+    assert isinstance(stream.intdigest(), int)
+
+
+def test_a_non_tensor_is_refused_by_its_type() -> None:
+    with pytest.raises(
+        IsolationTypeError, match=r"^fingerprint\(\): expected a torch.Tensor, got list$"
+    ):
+        fingerprinting.fingerprint([1.0])  # type: ignore[arg-type]
