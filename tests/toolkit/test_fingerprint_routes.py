@@ -3,16 +3,23 @@ of any size, chunk by chunk) to the same number, and weighs every position diffe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from isolate import fingerprints as fingerprinting
 from isolate.errors import IsolationTypeError
 from tests.toolkit._shared import every_single_bit_flip, sample
 
 MOD17 = 1 << 17
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass: its values are whatever its own dispatch says they are."""
 
 
 def device(t: torch.Tensor) -> int:
@@ -62,7 +69,7 @@ def test_pieces_shorter_than_a_line_are_all_read(small_geometry: None) -> None:
 def test_the_same_place_in_another_chunk_weighs_differently(small_geometry: None) -> None:
     """A value moved from the first word of one chunk to the first word of the next changes
     the print, also when the next chunk holds that one word only."""
-    for words in (33, 65, 97):  # 1, 2 or 3 chunks and one word
+    for words in (33, 49, 65, 97):  # 1 or 2 chunks and one word, 1 and a half, 2, 3
         first = torch.zeros(words, dtype=torch.int32)
         last = first.clone()
         first[words - 33] = 1 << 16
@@ -125,6 +132,65 @@ def test_strided_tensors_read_in_pieces_as_their_copies(
     fp = by(scheme)
     assert fp(x) == fp(x.contiguous())
     assert fp(x) != fp(x.neg())
+
+
+def test_pieces_of_several_lines_start_anywhere_in_a_chunk(
+    small_geometry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fingerprinting, "_PIECE_BYTES", 200)  # 6 lines and a quarter
+    x = sample(torch.float32, 50, 20).t()  # rows of 200 bytes: one piece each
+    assert device(x) == device(x.contiguous())
+
+
+def test_host_scheme_is_xxh3_of_the_header_and_the_bytes() -> None:
+    """A tensor hashed whole in memory and one streamed row by row from a file agree."""
+    t = sample(torch.float32, 6, 5)
+    stream = fingerprinting.HostFingerprint(t.dtype, t.shape)
+    for row in t:
+        stream.update(row.numpy().tobytes())
+    assert fingerprinting.fingerprint(t) == by("host")(t) == stream.intdigest()
+    assert by("device")(t) != stream.intdigest()
+
+
+def test_prints_of_every_layout_fit_in_128_bits() -> None:
+    dense = sample(torch.float32, 6, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # sparse compressed layouts are beta
+        layouts = (dense, dense.to_sparse(), dense.to_sparse_csr(), dense.to_sparse_csc())
+    for t in layouts:
+        for scheme in ("host", "device"):
+            assert 0 <= by(scheme)(t) < 2**128, (t.layout, scheme)
+
+
+def test_local_tensor_unwraps_only_a_dtensor() -> None:
+    class Shardlike(torch.Tensor):
+        def to_local(self) -> torch.Tensor:
+            return torch.zeros(1)
+
+    t = torch.ones(3).as_subclass(Shardlike)
+    assert torch.equal(fingerprinting.local_tensor(t), torch.ones(3))
+
+
+def test_refusals_say_what_to_fingerprint_instead() -> None:
+    """Each refusal names the way out, word for word."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantised dtypes are deprecated
+        quantised = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    cases = {
+        "run one forward pass to materialise it before fingerprinting$": nn.LazyLinear(2).weight,
+        r"fingerprint t\.int_repr\(\) and its scale/zero point instead$": quantised,
+        r"tensors of layout torch\._mkldnn are not supported$": torch.randn(4).to_mkldnn(),
+        "the real tensor outside tracing, or the plain tensors the subclass wraps$": torch.randn(
+            3
+        ).as_subclass(Marked),
+    }
+    for message, t in cases.items():
+        with pytest.raises(IsolationTypeError, match=r"^fingerprint\(\): .*" + message):
+            fingerprinting.fingerprint(t)
+    with FakeTensorMode():
+        fake = torch.randn(4)
+    with pytest.raises(IsolationTypeError, match=r"\(torch\.compile tracing, FakeTensorMode\)"):
+        fingerprinting.fingerprint(fake)
 
 
 def test_a_stream_allocates_nothing_up_front() -> None:
