@@ -1,0 +1,78 @@
+"""cut_off_parameters says why, case by case: a checkpoint whose inputs required grad but
+whose output was dropped, a module that returns its own parameter, and the report's text."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from isolate.cutoff import CutOff, cut_off_parameters, trace_forward
+
+
+class DroppedCheckpoint(nn.Module):
+    """A reentrant checkpoint whose input requires grad and whose output is detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segment = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.segment, x.requires_grad_(), use_reentrant=True)
+        return self.head(h.detach())
+
+
+def test_a_checkpoint_whose_inputs_required_grad_is_told_apart() -> None:
+    model = DroppedCheckpoint()
+    with trace_forward(model) as trace:
+        loss = model(torch.randn(3, 4)).sum()
+    cut = cut_off_parameters(loss, model, trace=trace)
+    assert list(cut.parameters) == ["segment.weight", "segment.bias"]
+    assert cut.parameters["segment.weight"] == (
+        "'segment' (Linear) ran inside a reentrant checkpoint whose output does not reach the loss"
+    )
+
+
+class ReturnsItsWeight(nn.Module):
+    """Returns one of its parameters as is (a leaf), and never reads the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def forward(self) -> torch.Tensor:
+        return self.scale
+
+
+def test_a_module_whose_output_is_its_own_parameter_reaches_the_loss() -> None:
+    model = ReturnsItsWeight()
+    with trace_forward(model) as trace:
+        loss = model().sum()
+    cut = cut_off_parameters(loss, model, trace=trace)
+    assert list(cut.parameters) == ["unused"]
+    assert cut.parameters["unused"].startswith(
+        "'<root>' (ReturnsItsWeight) ran and its output reaches the loss, but not through "
+        "this parameter"
+    )
+
+
+def test_the_report_reads_the_same_for_every_part() -> None:
+    assert (
+        str(CutOff({}, trainable=3)) == "0 of 3 trainable parameters get no gradient from any loss"
+    )
+    report = CutOff(
+        {"a.weight": "why", "a.bias": "why"},
+        unseen=("b.weight", "b.bias"),
+        expected_unused=("c.weight", "c.bias"),
+        trainable=6,
+    )
+    assert str(report).splitlines() == [
+        "2 of 6 trainable parameters get no gradient from any loss:",
+        "  a.weight, a.bias: why",
+        "2 cannot be seen: b.weight, b.bias may be used inside a reentrant checkpoint, which "
+        "re-runs code in backward that the graph does not show; use "
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) to make them visible",
+        "expected unused: c.weight, c.bias",
+    ]
