@@ -39,11 +39,13 @@ WORK = ROOT / ".mutation"
 TESTS: dict[str, list[str]] = {
     "isolate/fingerprints.py": [
         "tests/toolkit/test_fingerprints.py",
+        "tests/toolkit/test_fingerprint_routes.py",
         "tests/toolkit/test_drift.py",
         "tests/toolkit/test_copies.py",
     ],
     "isolate/cutoff.py": [
         "tests/toolkit/test_cutoff.py",
+        "tests/toolkit/test_cutoff_reasons.py",
         "tests/toolkit/test_reachability.py",
         "tests/toolkit/test_audit_properties.py",
         "tests/toolkit/test_audits_in_use.py",

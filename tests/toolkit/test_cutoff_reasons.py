@@ -76,3 +76,57 @@ def test_the_report_reads_the_same_for_every_part() -> None:
         "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) to make them visible",
         "expected unused: c.weight, c.bias",
     ]
+
+
+class Branches(nn.Module):
+    """``first``'s output is dropped; ``mixer`` takes a dict holding the input, which requires
+    grad; ``restart`` starts the loss's graph again from the dropped output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        self.mixer = DictLinear()
+        self.restart = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dropped = self.first(x).detach()
+        return self.mixer({"h": x}).sum() + self.restart(dropped).sum()
+
+
+class DictLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.linear(batch["h"])
+
+
+def test_the_graph_restarts_where_an_input_without_graph_enters() -> None:
+    """An input held in a dict that requires grad carries a graph: that module is not where
+    the loss's graph starts again."""
+    model = Branches()
+    with trace_forward(model) as trace:
+        loss = model(torch.randn(2, 3).requires_grad_())
+    cut = cut_off_parameters(loss, model, trace=trace)
+    assert list(cut.parameters) == ["first.weight", "first.bias"]
+    assert cut.parameters["first.weight"].endswith(
+        "; the loss's graph starts again at 'restart' (Linear), whose input carries no graph"
+    )
+
+
+def test_the_trace_never_breaks_a_forward_on_a_container_that_holds_itself() -> None:
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, state: list[object]) -> torch.Tensor:
+            return self.body(x)
+
+    model = Loop()
+    state: list[object] = []
+    state.append(state)
+    with trace_forward(model) as trace:
+        loss = model(torch.randn(2, 3), state).sum()
+    assert cut_off_parameters(loss, model, trace=trace).clean
