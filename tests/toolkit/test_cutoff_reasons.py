@@ -3,6 +3,11 @@ whose output was dropped, a module that returns its own parameter, and the repor
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -78,36 +83,60 @@ def test_the_report_reads_the_same_for_every_part() -> None:
     ]
 
 
-class Branches(nn.Module):
-    """``first``'s output is dropped; ``mixer`` takes a dict holding the input, which requires
-    grad; ``restart`` starts the loss's graph again from the dropped output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(3, 3)
-        self.mixer = DictLinear()
-        self.restart = nn.Linear(3, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dropped = self.first(x).detach()
-        return self.mixer({"h": x}).sum() + self.restart(dropped).sum()
+@dataclasses.dataclass
+class Batch:
+    h: torch.Tensor
+    again: Batch | None = None
 
 
-class DictLinear(nn.Module):
+class Mixer(nn.Module):
+    """Reads its input from a dict, a dataclass or a keyword argument."""
+
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(3, 1)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.linear(batch["h"])
+    def forward(self, batch: Any = None, *, h: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(batch, dict):
+            h = batch["h"]
+        elif isinstance(batch, Batch):
+            h = batch.h
+        assert h is not None
+        return self.linear(h)
 
 
-def test_the_graph_restarts_where_an_input_without_graph_enters() -> None:
-    """An input held in a dict that requires grad carries a graph: that module is not where
-    the loss's graph starts again."""
-    model = Branches()
+class Branches(nn.Module):
+    """``first``'s output is dropped; ``mixer`` takes the input, which requires grad, in a
+    container; ``restart`` starts the loss's graph again from the dropped output."""
+
+    def __init__(self, wrap: Callable[[torch.Tensor], tuple[tuple[Any, ...], dict[str, Any]]]):
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        self.mixer = Mixer()
+        self.restart = nn.Linear(3, 1)
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dropped = self.first(x).detach()
+        args, kwargs = self.wrap(x)
+        return self.mixer(*args, **kwargs).sum() + self.restart(dropped).sum()
+
+
+WRAPS = {
+    "dict": lambda x: (({"h": x},), {}),
+    "dataclass": lambda x: ((Batch(x),), {}),
+    "keyword": lambda x: ((), {"h": x}),
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_the_graph_restarts_where_an_input_without_graph_enters(wrap: str) -> None:
+    """An input that requires grad, passed in a dict, a dataclass or by keyword, carries a
+    graph: that module is not where the loss's graph starts again."""
+    model = Branches(WRAPS[wrap])
     with trace_forward(model) as trace:
         loss = model(torch.randn(2, 3).requires_grad_())
+    assert trace.model is model
     cut = cut_off_parameters(loss, model, trace=trace)
     assert list(cut.parameters) == ["first.weight", "first.bias"]
     assert cut.parameters["first.weight"].endswith(
@@ -121,12 +150,17 @@ def test_the_trace_never_breaks_a_forward_on_a_container_that_holds_itself() -> 
             super().__init__()
             self.body = nn.Linear(3, 3)
 
-        def forward(self, x: torch.Tensor, state: list[object]) -> torch.Tensor:
+        def forward(self, x: torch.Tensor, state: object) -> torch.Tensor:
             return self.body(x)
 
     model = Loop()
-    state: list[object] = []
-    state.append(state)
-    with trace_forward(model) as trace:
-        loss = model(torch.randn(2, 3), state).sum()
-    assert cut_off_parameters(loss, model, trace=trace).clean
+    listed: list[object] = []
+    listed.append(listed)
+    mapped: dict[str, object] = {}
+    mapped["self"] = mapped
+    batch = Batch(torch.randn(2, 3))
+    batch.again = batch
+    for state in (listed, mapped, batch):
+        with trace_forward(model) as trace:
+            loss = model(torch.randn(2, 3), state).sum()
+        assert cut_off_parameters(loss, model, trace=trace).clean
