@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from isolate.cutoff import CutOff, cut_off_parameters, trace_forward
+from isolate.errors import IsolationTypeError
 
 
 class DroppedCheckpoint(nn.Module):
@@ -164,3 +165,12 @@ def test_the_trace_never_breaks_a_forward_on_a_container_that_holds_itself() -> 
         with trace_forward(model) as trace:
             loss = model(torch.randn(2, 3), state).sum()
         assert cut_off_parameters(loss, model, trace=trace).clean
+
+
+def test_a_trace_of_the_wrong_type_is_named() -> None:
+    model = nn.Linear(3, 1)
+    loss = model(torch.randn(2, 3)).sum()
+    with pytest.raises(
+        IsolationTypeError, match=r"isolate\.cutoff\.trace_forward\(model\), got dict$"
+    ):
+        cut_off_parameters(loss, model, trace={})  # type: ignore[arg-type]
