@@ -217,7 +217,7 @@ def test_the_optimizer_is_the_torch_one_inside_accelerate(tmp_path: Path) -> Non
     with pytest.raises(SpecError, match=r"the Trainer built no optimizer"):
         torch_optimizer(t, "caller")
     t.optimizer = object()  # type: ignore[assignment]
-    with pytest.raises(IsolationTypeError, match=r"optimizer must be a torch.optim.Optimizer, got object"):
+    with pytest.raises(IsolationTypeError, match=r"must be a torch.optim.Optimizer, got object"):
         torch_optimizer(t, "caller")
 
 
