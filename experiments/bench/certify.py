@@ -20,6 +20,10 @@ How it is measured:
   before and after: certify reads the two files on two threads, so on a machine busy with
   other work its wall-clock time follows its CPU time. ``certify`` without the files'
   hashes is timed the same way, for reference.
+* The floor, timed the same way against the read and against certify: what certify's
+  answer costs with no isolate code at all. Two threads, one per file, each reads its file
+  into one buffer of a piece (256 KiB) and feeds every piece to two XXH3-128 hashers (the
+  file's own hash and the tensor's fingerprint, the two hashes a byte needs).
 * The same, page cache cold: before each timed run, both files leave the page cache
   (``POSIX_FADV_DONTNEED`` on the pair's own files: no root needed, nothing else dropped;
   the fraction left cached is recorded), so both sides read from the disk.
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from experiments.bench._rows import Row
 from experiments.bench._timing import (
@@ -59,6 +64,7 @@ from experiments.bench._timing import (
     resident_bytes,
 )
 from experiments.bench.corruptions import plant_all
+from isolate.certificates.streaming import PIECE
 
 __all__ = [
     "QUICK_CERTIFY",
@@ -82,7 +88,7 @@ class CertifyConfig:
     params: int = 500_000_000
     tensor_mb: int = 64
     trainable: int = 2  # the last tensors, moved in the tuned file
-    repeat: int = 5
+    repeat: int = 9
 
 
 QUICK_CERTIFY = CertifyConfig(params=2_000_000, tensor_mb=1, repeat=2)
@@ -128,6 +134,24 @@ def make_pair(folder: Path, cfg: CertifyConfig) -> dict[str, Any]:
         "bytes_per_file": (folder / "base.safetensors").stat().st_size,
         "spec": {"freeze": ["model", *(f"!model.layers.{i}" for i in trained)]},
     }
+
+
+def _floor(paths: list[Path]) -> None:
+    """Every byte of both files read once and hashed twice, a thread per file (see above)."""
+
+    def one(path: Path) -> None:
+        view = memoryview(bytearray(PIECE))
+        hashers = (xxhash.xxh3_128(), xxhash.xxh3_128())
+        with path.open("rb", buffering=0) as f:
+            while got := f.readinto(view):
+                for hasher in hashers:
+                    hasher.update(view[:got])
+
+    threads = [threading.Thread(target=one, args=(path,)) for path in paths]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def _read(paths: list[Path]) -> None:
@@ -257,6 +281,17 @@ def measure(folder: Path, spec: dict[str, Any], repeat: int) -> dict[str, Any]:
             "ratio": ratio,
             "cpu ratio": statistics.median(cpu["certify"]) / statistics.median(cpu["read"]),
         }
+    floor, b, ratio = paired(lambda: _floor(paths), lambda: _read(paths), warmup=1, repeat=repeat)
+    c, f, over = paired(lambda: certify(*paths, spec=spec), lambda: _floor(paths), warmup=1,
+                        repeat=repeat)  # fmt: skip
+    out["floor"] = {
+        "seconds": floor,
+        "read seconds": b,
+        "ratio": ratio,
+        "certify seconds": c,
+        "floor seconds": f,
+        "certify over floor": over,
+    }
     out["cached"] = [warm, cached_fraction(paths)]
     cold_c, cold_b = alternating(
         _cold(lambda: certify(*paths, spec=spec), paths), _cold(lambda: _read(paths), paths), repeat
@@ -308,7 +343,7 @@ def run(cfg: CertifyConfig) -> list[Row]:
     size = f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
     label = f"{size} bf16 parameters, {gb:.3g} GB per file"
     hashed, bare = measured["certify"], measured["certify without file hashes"]
-    cold = measured["cold"]
+    cold, floor = measured["cold"], measured["floor"]
     extra = {
         "cpu ratio (all threads)": hashed["cpu ratio"],
         "without file hashes: ratio": bare["ratio"],
@@ -330,6 +365,14 @@ def run(cfg: CertifyConfig) -> list[Row]:
             "isolate.certify(file_hash='none')", "sequential read of both files",
             bare["seconds"], bare["read seconds"], "(measured)", None,
             {"cpu ratio (all threads)": bare["cpu ratio"]}, paired_ratio=bare["ratio"]),
+        Row(f"the floor (two threads, every byte read once and XXH3-hashed twice, no isolate "
+            f"code) vs one sequential read of both files, {label}, page cache warm",
+            "read + 2 x XXH3-128, a thread per file", "sequential read of both files",
+            floor["seconds"], floor["read seconds"], "(measured)", None,
+            {"certify over the floor (paired)": floor["certify over floor"],
+             "certify seconds, floor seconds (paired)": [floor["certify seconds"],
+                                                         floor["floor seconds"]]},
+            paired_ratio=floor["ratio"]),
         Row(f"certify vs one sequential read of both files, {label}, page cache cold",
             "isolate.certify (XXH3 file hashes)", "sequential read of both files",
             cold["seconds"], cold["read seconds"], "<= 1.2", False,
