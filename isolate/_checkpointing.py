@@ -239,6 +239,72 @@ def _rerun(
     return detached, (outputs if isinstance(outputs, tuple) else (outputs,))
 
 
+def _rerun_structure(node: Any, caller: str) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """Run the segment of ``node`` again on fake tensors (shapes, no values, no arithmetic):
+    the graph a walk needs, at a fraction of a forward's cost. None where the fake run cannot
+    stand in for the real one (a value the code branches on, a module that kept something it
+    computed, a process that has compiled code with torch.compile, whose compiled regions
+    the walks must see as compiled): the caller then re-runs it for real.
+
+    The graph is the real one's: autograd records each operation before the fake mode sees
+    it, so the edges go to the real parameters; only the arithmetic is skipped.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if _compiles():  # compiled code would be compiled again for fake inputs
+        return None
+    saved = _saved_arguments(node, caller)
+    args = list(node.inputs)
+    modules = _state_of(node.run_function)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_replay(node))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_structure_only, _never))
+            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            for i, index in enumerate(node.tensor_indices):
+                fake = mode.from_tensor(saved[i].detach())
+                args[index] = fake.requires_grad_(saved[i].requires_grad)
+            outputs = node.run_function(*args)
+    except Exception:  # any failure: the real re-run decides
+        _restore(modules)
+        return None
+    if _restore(modules) or _compiles():
+        return None
+    return tuple(args), (outputs if isinstance(outputs, tuple) else (outputs,))
+
+
+def _compiles() -> int:
+    """How many frames torch.compile has compiled in this process (0 before any)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return int(dynamo.utils.counters["frames"]["total"]) if dynamo is not None else 0
+
+
+_Kept = tuple[nn.Module, dict[str, Any], list[dict[str, Any]]]
+
+
+def _state_of(fn: object) -> list[_Kept]:
+    """Each module ``fn`` holds, with a shallow copy of its attributes and tensor slots."""
+    kept: list[_Kept] = []
+    for root in _modules_in(fn):
+        for module in root.modules():
+            slots: list[dict[str, Any]] = [dict(module._parameters), dict(module._buffers)]
+            kept.append((module, dict(module.__dict__), slots))
+    return kept
+
+
+def _restore(kept: list[_Kept]) -> bool:
+    """Put back every attribute and tensor slot a fake run changed; whether one changed."""
+    changed = False
+    for module, attributes, (params, buffers) in kept:
+        for now, before in ((module.__dict__, attributes), (module._parameters, params),
+                            (module._buffers, buffers)):  # fmt: skip
+            if now.keys() != before.keys() or any(now[k] is not v for k, v in before.items()):
+                changed = True
+                now.clear()
+                now.update(before)
+    return changed
+
+
 def _edge(t: torch.Tensor) -> Edge:
     edge = torch.autograd.graph.get_gradient_edge(t)
     return edge.node, edge.output_nr
@@ -289,7 +355,8 @@ def recompute(node: Node, caller: str) -> Segment:
     shared = _SHARED.get()
     if shared is not None and node in shared:
         return shared[node]
-    detached, outputs = _rerun(node, caller, keep_saved=False)
+    found = _rerun_structure(node, caller)
+    detached, outputs = found if found is not None else _rerun(node, caller, keep_saved=False)
     segment = Segment(
         edges=[_edge(o) for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
     )

@@ -17,10 +17,11 @@ bytes already passed) is fingerprinted from its own bytes again; its bytes are h
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ class FileCursor:
         self._next = 0  # index in _order of the first tensor the cursor has not passed
         self._at = 0  # bytes hashed so far
         self._prints: dict[str, int] = {}  # tensors passed on the way, not yet asked for
-        self._file: BinaryIO | None = None
+        self._file: io.FileIO | None = None
         self._buffer = memoryview(bytearray(PIECE))
         self.walked = 0  # bytes read from the file, hashed or not
 
