@@ -5,13 +5,21 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["LlamaShape", "ReverseByHand", "llama_lora", "mnist_net", "resnet_net", "transformer"]
+__all__ = [
+    "LlamaShape",
+    "LlamaSizes",
+    "ReverseByHand",
+    "llama_lora",
+    "mnist_net",
+    "resnet_net",
+    "transformer",
+]
 
 
 def mnist_net() -> tuple[nn.Module, nn.Module, Callable[[int], torch.Tensor]]:
@@ -41,8 +49,9 @@ def transformer(layers: int, width: int, heads: int) -> nn.TransformerEncoder:
 
 
 @dataclass(frozen=True)
-class LlamaShape:
-    """The shape of a Llama built from a config (the default: TinyLlama's, 1.1B parameters)."""
+class LlamaSizes:
+    """The sizes of a Llama built from a config (the default: TinyLlama's, 1.1B parameters);
+    a section's config that sizes a Llama derives from it."""
 
     hidden: int = 2048
     intermediate: int = 5632
@@ -50,6 +59,17 @@ class LlamaShape:
     heads: int = 32
     kv_heads: int = 4
     vocab: int = 32000
+
+    def with_positions(self, positions: int) -> LlamaShape:
+        """The :class:`LlamaShape` of these sizes, embedding ``positions`` positions."""
+        sizes = {f.name: getattr(self, f.name) for f in fields(LlamaSizes)}
+        return LlamaShape(**sizes, positions=positions)
+
+
+@dataclass(frozen=True)
+class LlamaShape(LlamaSizes):
+    """The shape of a Llama built from a config: its sizes and its positions."""
+
     positions: int = 2048
 
 

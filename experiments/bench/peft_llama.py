@@ -41,7 +41,7 @@ from experiments.bench._timing import (
     return_freed_memory,
     settle,
 )
-from experiments.bench.networks import LlamaShape, llama_lora
+from experiments.bench.networks import LlamaShape, LlamaSizes, llama_lora
 from experiments.bench.scale import read_weights
 from isolate.cutoff import cut_off_parameters
 from isolate.drift import snapshot
@@ -52,17 +52,11 @@ from isolate.spec.handle import IsolationHandle
 __all__ = ["QUICK_PEFT", "PeftConfig", "run"]
 
 
-@dataclass
-class PeftConfig:
-    """Sizes of the ``peft`` section (``--peft-*`` options); the default is TinyLlama's shape,
-    1.1B parameters (4.4 GB in fp32)."""
+@dataclass(frozen=True)
+class PeftConfig(LlamaSizes):
+    """Sizes of the ``peft`` section (``--peft-*`` options): the Llama's (by default
+    TinyLlama's, 1.1B parameters, 4.4 GB in fp32), then the run's."""
 
-    hidden: int = 2048
-    intermediate: int = 5632
-    layers: int = 22
-    heads: int = 32
-    kv_heads: int = 4
-    vocab: int = 32000
     rank: int = 8  # LoRA r, on q_proj and v_proj
     batch: int = 1
     tokens: int = 64
@@ -71,8 +65,7 @@ class PeftConfig:
     repeat: int = 3
 
     def shape(self) -> LlamaShape:
-        return LlamaShape(self.hidden, self.intermediate, self.layers, self.heads,
-                          self.kv_heads, self.vocab, max(self.tokens, 16))  # fmt: skip
+        return self.with_positions(max(self.tokens, 16))
 
 
 QUICK_PEFT = PeftConfig(

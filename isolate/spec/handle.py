@@ -22,14 +22,13 @@ from isolate.errors import (
     SpecError,
 )
 from isolate.freezing import FreezeHandle
+from isolate.spec.attaching import Attachment
 from isolate.spec.branches import Branches
 from isolate.spec.cadence import CHECKS, Cadence, Loop, StepGuard
 from isolate.spec.checks import Tally, Verification
 from isolate.spec.contract_checks import ContractWatch
-from isolate.spec.identity import require_held
-from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
+from isolate.spec.optimizers import OptimizerLink, Optimizers
 from isolate.spec.plan import Plan
-from isolate.spec.state import check_state, saved_state
 from isolate.spec.thawing import Thaws
 from isolate.spec.verifier import Verifier
 
@@ -108,6 +107,9 @@ class IsolationHandle:
         )
         self.loop = Loop(self, Cadence())
         self._step_guard = StepGuard(self.caller, plan.spec.thaw, self._thaws.applied)
+        self._attachment = Attachment(
+            plan, self._thaws, self._link, self._verifier, self._step_guard, caller=caller
+        )
 
     @property
     def tally(self) -> Tally:
@@ -194,19 +196,7 @@ class IsolationHandle:
                 applied (a ``configure_model`` that builds layers again, a conversion).
         """
         self._require_active("attach")
-        opts = as_optimizers(optimizers, f"{self.caller}.attach()")
-        self.plan.check_norms_present(self.caller)
-        require_held(self.plan, self.frozen_parameters(), opts, "at attach", self.caller)
-        self._link.attach(
-            self.plan,
-            opts,
-            schedulers,
-            dict(self._thaws.applied),
-            self.frozen_parameters(),
-            warn=not built_before_apply,
-        )
-        self._step_guard.watch(self._link.optimizers)
-        self._verifier.watch()
+        self._attachment.attach(optimizers, schedulers, built_before_apply=built_before_apply)
 
     def thaw(
         self, name: str, optimizer: object = None, lr: float | None = None
@@ -381,14 +371,7 @@ class IsolationHandle:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the spec stands, by parameter name, in plain types (``weights_only`` loads it)."""
-        return saved_state(
-            self.plan,
-            self.frozen,
-            self._thaws.applied,
-            self._thaws.phases.state_dict(),
-            self._link.optimizers,
-            self.caller,
-        )
+        return self._attachment.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Thaw what the saved state had thawed, without freezing anything again.
@@ -401,15 +384,7 @@ class IsolationHandle:
                 malformed or inconsistent; the handle is left as it was.
         """
         self._require_active("load_state_dict")
-        entries = check_state(self.plan.record(), state, self.plan.group_names, self.caller)
-        phases = self._thaws.phases.state_dict()
-        self._thaws.phases.load_state_dict(state.get("phases"), self.caller)
-        try:
-            self._thaws.load(entries, list(state["frozen"]))
-        except BaseException:
-            self._thaws.phases.load_state_dict(phases, self.caller)
-            raise
-        self._verifier.renew()
+        self._attachment.load_state_dict(state)
 
     def _require_active(self, what: str) -> None:
         if not self._active:

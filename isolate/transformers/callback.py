@@ -22,13 +22,14 @@ from isolate.transformers.trainer import (
     check_trainer,
     saved_state,
     torch_optimizer,
+    unwrap_methods,
     warn_on_norm_clipping,
+    wrap_methods,
 )
 
 __all__ = ["IsolationTrainerCallback"]
 
 _CALLER = "IsolationTrainerCallback"
-_HOOKED = ("create_optimizer", "create_scheduler", "compute_loss")
 logger = logging.get_logger(__name__)
 
 
@@ -162,47 +163,38 @@ class IsolationTrainerCallback(TrainerCallback, ExportableState):
             if self not in self.trainer.callback_handler.callbacks:
                 return train(*args, **kwargs)  # removed from the Trainer on purpose
             check_trainer(self.trainer, _CALLER)
-            self._hook()
+            wrap_methods(
+                self.trainer,
+                before_optimizer=self._before_optimizer,
+                after_scheduler=self._after_scheduler,
+                on_loss=self._keep_loss,
+            )
             try:
                 return train(*args, **kwargs)
             except BaseException:
                 self._restore()
                 raise
             finally:
-                for name in _HOOKED:
-                    self.trainer.__dict__.pop(name, None)
+                unwrap_methods(self.trainer)
 
         return isolated_train
 
-    def _hook(self) -> None:
-        """Wrap, for one ``train()``, the three Trainer methods between which the spec must
-        act: before the optimizer is built, after its scheduler is, around the loss."""
-        trainer = self.trainer
-        create_optimizer, create_scheduler = trainer.create_optimizer, trainer.create_scheduler
-        compute_loss = trainer.compute_loss
+    def _before_optimizer(self) -> None:
+        """Apply the spec before the Trainer builds its optimizer (once per ``train()``)."""
+        if self.handle is None:
+            self._built_before_apply = self.trainer.optimizer is not None
+            self._apply(self.trainer.model)
 
-        def apply_then_create_optimizer(*args: Any, **kwargs: Any) -> Any:
-            if self.handle is None:
-                self._built_before_apply = trainer.optimizer is not None
-                self._apply(trainer.model)
-            return create_optimizer(*args, **kwargs)
+    def _after_scheduler(self) -> None:
+        """Attach once the Trainer has built both its optimizer and its scheduler."""
+        if self.handle is not None and not self._attached:
+            self._attach(self.trainer)
 
-        def create_scheduler_then_attach(*args: Any, **kwargs: Any) -> Any:
-            scheduler = create_scheduler(*args, **kwargs)
-            if self.handle is not None and not self._attached:
-                self._attach(trainer)
-            return scheduler
-
-        def compute_loss_then_keep(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            result = compute_loss(model, inputs, *args, **kwargs)
-            if self._stepping and self.handle is not None and torch.is_grad_enabled():
-                self._losses += 1
-                self.handle.loop.before_backward(result[0] if isinstance(result, tuple) else result)
-            return result
-
-        trainer.create_optimizer = apply_then_create_optimizer  # type: ignore[method-assign]
-        trainer.create_scheduler = create_scheduler_then_attach  # type: ignore[method-assign]
-        trainer.compute_loss = compute_loss_then_keep  # type: ignore[method-assign]
+    def _keep_loss(self, loss: torch.Tensor) -> None:
+        """Keep a training step's loss for the reach check (no event comes before backward)."""
+        if self._stepping and self.handle is not None:
+            self._losses += 1
+            self.handle.loop.before_backward(loss)
 
     def _apply(self, model: torch.nn.Module | None) -> None:
         if model is None:

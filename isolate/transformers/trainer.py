@@ -1,9 +1,10 @@
-"""What the Trainer adapter needs of a ``transformers.Trainer``: a setup it supports, the
-optimizer it built, and the isolation state of the checkpoint it resumes from."""
+"""What the Trainer adapter needs of a ``transformers.Trainer``: a setup it supports, its
+methods between which the spec acts, the optimizer it built, and the isolation state of the
+checkpoint it resumes from."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,8 +25,13 @@ __all__ = [
     "check_trainer",
     "saved_state",
     "torch_optimizer",
+    "unwrap_methods",
     "warn_on_norm_clipping",
+    "wrap_methods",
 ]
+
+WRAPPED = ("create_optimizer", "create_scheduler", "compute_loss")
+"""The Trainer methods :func:`wrap_methods` wraps, as instance attributes."""
 
 
 def check_trainer(trainer: object, caller: str) -> Trainer:
@@ -98,6 +104,47 @@ def warn_on_norm_clipping(trainer: Trainer, detach: tuple[str, ...]) -> None:
             f"parameter, so isolation does not hold for the update. Set "
             f"TrainingArguments(max_grad_norm=0) and clip per group, if at all"
         )
+
+
+def wrap_methods(
+    trainer: Trainer,
+    *,
+    before_optimizer: Callable[[], None],
+    after_scheduler: Callable[[], None],
+    on_loss: Callable[[Any], None],
+) -> None:
+    """Wrap, for one ``train()``, the three Trainer methods between which the spec must act:
+    ``before_optimizer()`` runs before ``create_optimizer``, ``after_scheduler()`` after
+    ``create_scheduler``, and ``on_loss(loss)`` gets the loss ``compute_loss`` returns (with
+    grad enabled; the first item when it also returns outputs). Undone by
+    :func:`unwrap_methods`; a subclass's overrides are the methods wrapped."""
+    create_optimizer, create_scheduler = trainer.create_optimizer, trainer.create_scheduler
+    compute_loss = trainer.compute_loss
+
+    def apply_then_create_optimizer(*args: Any, **kwargs: Any) -> Any:
+        before_optimizer()
+        return create_optimizer(*args, **kwargs)
+
+    def create_scheduler_then_attach(*args: Any, **kwargs: Any) -> Any:
+        scheduler = create_scheduler(*args, **kwargs)
+        after_scheduler()
+        return scheduler
+
+    def compute_loss_then_keep(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        result = compute_loss(model, inputs, *args, **kwargs)
+        if torch.is_grad_enabled():
+            on_loss(result[0] if isinstance(result, tuple) else result)
+        return result
+
+    trainer.create_optimizer = apply_then_create_optimizer  # type: ignore[method-assign]
+    trainer.create_scheduler = create_scheduler_then_attach  # type: ignore[method-assign]
+    trainer.compute_loss = compute_loss_then_keep  # type: ignore[method-assign]
+
+
+def unwrap_methods(trainer: Trainer) -> None:
+    """Remove the wrappers of :func:`wrap_methods`: the class's methods show through again."""
+    for name in WRAPPED:
+        trainer.__dict__.pop(name, None)
 
 
 def torch_optimizer(trainer: Trainer, caller: str) -> torch.optim.Optimizer:

@@ -12,24 +12,19 @@ A freeze is ``isolate.freeze``; a thaw is an ``IsolationSpec`` thaw run by its l
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import sys
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import isolate
 from isolate.spec import IsolationSpec, Thaw
+from tests.distributed._spawn import Mode, batch, full, spawn
 
 STEPS = 3
 
@@ -44,14 +39,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).pow(2).mean()
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * rank + step))
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 Build = Callable[[Net], Callable[[torch.Tensor], torch.Tensor]]
@@ -85,9 +72,9 @@ def train(event: str, build: Build | None, *, shard: bool = False) -> dict[str, 
         if flipped and build is not None and not shard:
             forward = build(model)  # DDP syncs only what required grad when it was built
         if build is None:
-            loss = sum(model(batch(r, step)) for r in range(dist.get_world_size())) / 2
+            loss = sum(model(batch(step, rank=r)) for r in range(dist.get_world_size())) / 2
         else:
-            loss = forward(batch(rank, step))
+            loss = forward(batch(step, rank=rank))
         if loop is not None:
             loop.before_backward(loss)
         loss.backward()
@@ -136,31 +123,11 @@ def fsdp() -> dict[str, Any]:
     return out
 
 
-MODES: dict[str, Callable[[], dict[str, Any]]] = {"ddp": ddp, "fsdp": fsdp}
-
-
-def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result: dict[str, Any] = {"rank": rank}
-        try:
-            result.update(MODES[mode]())
-        except Exception:  # reported to the test, which fails on it
-            result["error"] = traceback.format_exc()
-        Path(out, f"{mode}-rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+MODES: dict[str, Mode] = {"ddp": ddp, "fsdp": fsdp}
 
 
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, mode, out), nprocs=2)
+    spawn(MODES, sys.argv[1], sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -18,20 +18,13 @@ Modes:
 from __future__ import annotations
 
 import copy
-import gc
-import json
-import os
-import socket
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -42,6 +35,7 @@ from isolate import _sharding as sharding
 from isolate.drift import fingerprint
 from isolate.reachability import walk
 from isolate.spec.ranks import check_ranks
+from tests.distributed._spawn import Mode, batch, full, spawn
 
 
 class Net(nn.Module):
@@ -68,14 +62,6 @@ def shard(model: Net) -> Net:
     fully_shard(model.aux)
     fully_shard(model)
     return model
-
-
-def batch(step: int = 0) -> torch.Tensor:
-    return torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * dist.get_rank() + step))
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # one tensor at a time
 
 
 def prints(model: nn.Module) -> dict[str, str]:
@@ -418,7 +404,7 @@ def tp() -> dict[str, Any]:
     return out
 
 
-MODES: dict[str, Callable[[], dict[str, Any]]] = {
+MODES: dict[str, Mode] = {
     "audits": audits,
     "engine": engine,
     "hsdp": hsdp,
@@ -427,33 +413,9 @@ MODES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result: dict[str, Any] = {"rank": rank, "world": world}
-        try:
-            result.update(MODES[mode]())
-        except Exception:  # reported to the test, which fails on it
-            result["error"] = traceback.format_exc()
-        Path(out, f"{mode}-rank{rank}.json").write_text(json.dumps(result, default=str))
-    finally:
-        gc.collect()  # the sharded models and their pending collectives go first
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(
-        worker,
-        args=(4 if mode == "hsdp" else 2, port, mode, out),
-        nprocs=4 if mode == "hsdp" else 2,
-    )
+    mode = sys.argv[1]
+    spawn(MODES, mode, sys.argv[2], world=4 if mode == "hsdp" else 2)
 
 
 if __name__ == "__main__":

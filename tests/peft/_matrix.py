@@ -130,9 +130,10 @@ def run_lightning(lightning: ModuleType) -> Runner:
 def run_trainer(model: nn.Module, fault: Fault, seed: int, tmp_path: Path) -> None:
     """transformers' ``Trainer`` (CPU, AdamW with weight decay, a constant lr) with the
     ``IsolationTrainerCallback`` checking every step."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from isolate.transformers import IsolationTrainerCallback
+    from tests.transformers._models import arguments
 
     class FaultTrainer(Trainer):
         def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
@@ -148,19 +149,14 @@ def run_trainer(model: nn.Module, fault: Fault, seed: int, tmp_path: Path) -> No
 
     # The same sequences as the other runners, 2 per step.
     examples = [{k: v[i] for k, v in one.items()} for one in data(seed) for i in range(2)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to=[],
-        max_steps=STEPS,
+    args = arguments(
+        tmp_path,
+        steps=STEPS,
         per_device_train_batch_size=2,
         learning_rate=1e-2,
         weight_decay=0.1,
         lr_scheduler_type="constant",
         remove_unused_columns=False,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
         seed=seed,
     )
     trainer = FaultTrainer(model=model, args=args, train_dataset=examples)

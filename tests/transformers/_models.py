@@ -37,19 +37,14 @@ class Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"x": torch.randn(4, generator=g), "labels": torch.randn((), generator=g)}
 
 
-def trainer(
-    root: Path,
-    model: nn.Module,
-    *,
-    steps: int = 4,
-    save_steps: int = 0,
-    evaluate: bool = False,
-    **kwargs: Any,
-) -> Trainer:
-    """A CPU Trainer of ``steps`` optimizer steps, AdamW with weight decay and a linear
-    schedule, saving every ``save_steps`` steps (``0``: never), evaluating after every step
-    with ``evaluate``."""
-    args = TrainingArguments(
+def arguments(
+    root: Path, *, steps: int = 4, save_steps: int = 0, evaluate: bool = False, **kwargs: Any
+) -> TrainingArguments:
+    """CPU ``TrainingArguments`` of ``steps`` optimizer steps, quiet (no reports, logs or
+    progress bars), AdamW with weight decay and a linear schedule, saving every ``save_steps``
+    steps (``0``: never), evaluating after every step with ``evaluate``; ``kwargs`` override
+    any of these."""
+    defaults: dict[str, Any] = dict(
         output_dir=str(root),
         use_cpu=True,
         report_to=[],
@@ -65,8 +60,22 @@ def trainer(
         seed=0,
         eval_strategy="steps" if evaluate else "no",
         eval_steps=1,
-        **kwargs,
     )
+    return TrainingArguments(**{**defaults, **kwargs})
+
+
+def trainer(
+    root: Path,
+    model: nn.Module,
+    *,
+    steps: int = 4,
+    save_steps: int = 0,
+    evaluate: bool = False,
+    **kwargs: Any,
+) -> Trainer:
+    """A Trainer of :func:`arguments` over :class:`Data` (also its eval set with
+    ``evaluate``)."""
+    args = arguments(root, steps=steps, save_steps=save_steps, evaluate=evaluate, **kwargs)
     return Trainer(
         model=model, args=args, train_dataset=Data(), eval_dataset=Data() if evaluate else None
     )
