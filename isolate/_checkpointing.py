@@ -335,8 +335,8 @@ def shared_reruns() -> Iterator[None]:
     """Re-run each reentrant segment at most once for every walk inside the block.
 
     The checks of one verification walk the same graph several times (the named losses,
-    then the total's reach); a re-run costs about the segment's forward, and its graph's
-    structure does not change between walks. What the re-runs built is let go on exit.
+    then the total's reach); a re-run costs the segment's forward where it cannot be done on
+    fake tensors, and its graph's structure does not change between walks. What the re-runs built is let go on exit.
     """
     token = _SHARED.set({})
     try:
