@@ -12,7 +12,10 @@ Modes:
 * ``engine``: an IsolationSpec applied to a sharded model and trained with AdamW (weight
   decay) and with SGD (momentum): full-tensor fingerprints per step, thaw bookkeeping, and
   the naive thaw that is lost when a unit stays unsharded;
-* ``hsdp``: the rank check on a 2 x 2 (replicate x shard) mesh of 4 processes.
+* ``hsdp``: the rank check on a 2 x 2 (replicate x shard) mesh of 4 processes;
+* ``checkpointed``: a sharded layer behind a reentrant checkpoint: the walk re-runs it on
+  fake tensors (each re-run recorded), against a real backward, and the gradients of that
+  backward against the same model unsharded.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 
 import isolate
 import isolate.gradients
 import isolate.reachability
+from isolate import _checkpointing as checkpointing
 from isolate import _sharding as sharding
 from isolate.drift import fingerprint
 from isolate.reachability import walk
@@ -404,7 +409,58 @@ def tp() -> dict[str, Any]:
     return out
 
 
+class Checkpointed(nn.Module):
+    """in -> [reentrant checkpoint: block] -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.block, self.inp(x), use_reentrant=True)
+        loss: torch.Tensor = self.head(h.relu()).sum()
+        return loss
+
+
+def checkpointed() -> dict[str, Any]:
+    ref = Checkpointed()
+    model = copy.deepcopy(ref)
+    fully_shard(model.block)
+    fully_shard(model)
+    fake: list[bool] = []
+    structure = checkpointing._rerun_structure
+
+    def recorded(node: Any, caller: str) -> Any:
+        found = structure(node, caller)
+        fake.append(found is not None)
+        return found
+
+    checkpointing._rerun_structure = recorded
+    try:
+        x = batch()
+        loss = model(x)
+        reached = isolate.reachability.reachable_parameters(loss, model)
+        loss.backward()
+    finally:
+        checkpointing._rerun_structure = structure
+    for rank in range(dist.get_world_size()):  # FSDP averages the ranks' gradients
+        (ref(batch(rank=rank)) / dist.get_world_size()).backward()
+    grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        "reached": list(reached),
+        "real": list(grads),
+        "fake": fake,
+        "grads equal unsharded": all(
+            torch.allclose(grads[n], p.grad) for n, p in ref.named_parameters() if n in grads
+        ),
+    }
+
+
 MODES: dict[str, Mode] = {
+    "checkpointed": checkpointed,
     "audits": audits,
     "engine": engine,
     "hsdp": hsdp,

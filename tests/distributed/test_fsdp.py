@@ -37,6 +37,18 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _run("engine", tmp_path_factory.mktemp("fsdp_engine"))
 
 
+@pytest.mark.slow
+def test_a_walk_reruns_a_sharded_checkpointed_layer_on_fake_tensors(tmp_path: Path) -> None:
+    everything = ["inp.weight", "inp.bias", "block.weight", "block.bias"]
+    everything += ["head.weight", "head.bias"]
+    for rank in _run("checkpointed", tmp_path):
+        assert rank["fake"] == [True]  # re-run on fake tensors, the unsharding hooks included
+        assert rank["reached"] == rank["real"] == everything
+        # The fake re-run left the shards as they were: the real backward equals the
+        # unsharded model's.
+        assert rank["grads equal unsharded"] is True
+
+
 TRUNK = ["trunk.0.weight", "trunk.0.bias", "trunk.2.weight", "trunk.2.bias"]
 
 
