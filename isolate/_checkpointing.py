@@ -41,6 +41,7 @@ __all__ = [
     "is_reentrant",
     "keep_arguments",
     "recompute",
+    "recompute_safe",
     "recomputing",
     "shared_reruns",
 ]
@@ -50,6 +51,32 @@ Edge = tuple[Node | None, int]
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "isolate_recomputing", default=False
 )
+
+
+_SAFE = "__isolate_recompute_safe__"
+
+
+def recompute_safe(hook: Any) -> Any:
+    """Mark a forward hook (a function or a class of callable hooks) as one that does nothing
+    while an audit re-runs a segment (it checks :func:`recomputing`, or only sets a mode),
+    so a walk may re-run the segment on fake tensors with the hook in place."""
+    setattr(hook, _SAFE, True)
+    return hook
+
+
+def _hooks_allow_fake(fn: object) -> bool:
+    """Whether every forward hook that a re-run of ``fn`` could call is marked
+    :func:`recompute_safe`: a user's hook could keep or read what it is given."""
+    from torch.nn.modules import module as hooks
+
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return False
+    for root in _modules_in(fn):
+        for module in root.modules():
+            for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+                if not getattr(hook, _SAFE, False):
+                    return False
+    return True
 
 
 def recomputing() -> bool:
@@ -243,15 +270,17 @@ def _rerun_structure(node: Any, caller: str) -> tuple[tuple[Any, ...], tuple[Any
     """Run the segment of ``node`` again on fake tensors (shapes, no values, no arithmetic):
     the graph a walk needs, at a fraction of a forward's cost. None where the fake run cannot
     stand in for the real one (a value the code branches on, a module that kept something it
-    computed, a process that has compiled code with torch.compile, whose compiled regions
-    the walks must see as compiled): the caller then re-runs it for real.
+    computed, a forward hook not marked :func:`recompute_safe`, a process that has compiled
+    code with torch.compile, whose compiled regions the walks must see as compiled): the
+    caller then re-runs it for real. Modules are found as :func:`_modules_in` finds them (the
+    function, its owner, a partial's arguments, a closure's cells).
 
     The graph is the real one's: autograd records each operation before the fake mode sees
     it, so the edges go to the real parameters; only the arithmetic is skipped.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if _compiles():  # compiled code would be compiled again for fake inputs
+    if _compiles() or not _hooks_allow_fake(node.run_function):
         return None
     saved = _saved_arguments(node, caller)
     args = list(node.inputs)
@@ -336,7 +365,8 @@ def shared_reruns() -> Iterator[None]:
 
     The checks of one verification walk the same graph several times (the named losses,
     then the total's reach); a re-run costs the segment's forward where it cannot be done on
-    fake tensors, and its graph's structure does not change between walks. What the re-runs built is let go on exit.
+    fake tensors, and its graph's structure does not change between walks. What the re-runs
+    built is let go on exit.
     """
     token = _SHARED.set({})
     try:

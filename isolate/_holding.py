@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from isolate._checkpointing import recompute_safe
 from isolate.errors import SelectorError
 
 __all__ = [
@@ -102,6 +103,7 @@ def reads_training(module: nn.Module) -> bool:
     return _class_reads_training(type(module))  # type: ignore[arg-type]
 
 
+@recompute_safe  # it only sets the module's mode, as the forward did
 class ModeHold:
     """The stack of mode policies pushed on one module, and the forward pre-hook that
     enforces the top one.

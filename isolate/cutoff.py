@@ -25,7 +25,7 @@ from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
 from isolate._autograd import Losses, Walk, check_losses, walk
-from isolate._checkpointing import recomputing
+from isolate._checkpointing import recompute_safe, recomputing
 from isolate._selectors import Selector, check_module, select
 from isolate._sharding import check_leaves
 from isolate.errors import CutOffError, IsolationTypeError
@@ -115,6 +115,7 @@ class ForwardTrace:
         self._count = 0
         self._watched = {id(m) for m in model.modules()}
 
+    @recompute_safe
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if recomputing():  # an audit re-running a checkpointed segment, not the forward
             return
@@ -130,6 +131,7 @@ class ForwardTrace:
             call.checkpoint, call.checkpoint_inputs_grad = _enclosing_checkpoint()
         self._pending.setdefault(id(module), []).append(call)
 
+    @recompute_safe
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         pending = self._pending.get(id(module))
         if not pending:

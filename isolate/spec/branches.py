@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from isolate._checkpointing import recompute_safe, recomputing
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
 from isolate.cloning import Cloned
@@ -49,8 +50,9 @@ class Branches:
                 self._hooks.append(hook)
 
     def _recorder(self, name: str) -> Any:
+        @recompute_safe
         def record(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if not self.recording:
+            if not self.recording or recomputing():  # not an audit's re-run of a segment
                 return
             inputs = self.inputs.setdefault(name, [])
             if len(inputs) >= RECORD_LIMIT:

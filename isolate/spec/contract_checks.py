@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from isolate._checkpointing import recompute_safe, recomputing
 from isolate._walker import Names
 from isolate.errors import IsolationError, SpecError
 from isolate.spec.contract_clauses import (
@@ -215,7 +216,10 @@ class ContractWatch:
     def _hook(self, key: int, what: set[str]) -> Any:
         recorded = self._recorded
 
+        @recompute_safe
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if recomputing():  # an audit re-running a checkpointed segment, not the forward
+                return
             if "inputs" in what:
                 recorded.inputs.setdefault(key, []).extend(_tensors(args))
             if "outputs" in what:

@@ -3,8 +3,9 @@ stand in: each answer is compared with a real backward.
 
 On fake tensors a segment's graph is built without its arithmetic, so the walks cost a
 fraction of a forward. The fake run gives way to the real one when the segment branches on
-a value, keeps something it computed, or when torch.compile has compiled code in the process
-(its compiled regions must be walked as compiled).
+a value, keeps something it computed, runs a forward hook that is not isolate's own, or when
+torch.compile has compiled code in the process (its compiled regions must be walked as
+compiled).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 import isolate._checkpointing as checkpointing
-from isolate.cutoff import cut_off_parameters
+from isolate.cutoff import cut_off_parameters, trace_forward
+from isolate.freezing import freeze
 from isolate.reachability import reachable_parameters
 
 
@@ -144,3 +146,46 @@ def test_a_compile_during_the_fake_run_discards_it(monkeypatch: pytest.MonkeyPat
 
     assert model.seen == [FakeTensor, torch.Tensor]
     assert reached == really_reached(loss, model)
+
+
+def test_a_users_forward_hook_in_the_segment_makes_the_rerun_real(fresh: None) -> None:
+    model = Segmented()
+    kept: list[torch.Tensor] = []
+    model.first.register_forward_hook(lambda module, args, output: kept.append(output))
+    loss = model(IDS)
+    model.seen.clear()
+    kept.clear()
+
+    reached = reachable_parameters(loss, model)
+
+    assert model.seen == [torch.Tensor]  # no fake run was tried
+    assert kept and not any(isinstance(t, FakeTensor) for t in kept)
+    assert reached == really_reached(loss, model)
+
+
+def test_a_global_forward_hook_makes_the_rerun_real(fresh: None) -> None:
+    model = Segmented()
+    loss = model(IDS)
+    model.seen.clear()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        reached = reachable_parameters(loss, model)
+    finally:
+        handle.remove()
+
+    assert model.seen == [torch.Tensor]
+    assert reached == really_reached(loss, model)
+
+
+def test_isolates_own_hooks_keep_the_fake_rerun(fresh: None) -> None:
+    model = Segmented()
+    model.norm = nn.BatchNorm1d(4)
+    frozen = freeze(model, "norm", bn="eval")  # a mode-holding forward pre-hook
+    with trace_forward(model) as trace:  # the cut-off check's forward hooks on every module
+        loss = model(IDS)
+        model.seen.clear()
+        found = cut_off_parameters(loss, model, trace=trace)
+
+    assert model.seen == [FakeTensor]
+    assert set(found.parameters) == {"second.weight", "second.bias"}
+    frozen.restore()
