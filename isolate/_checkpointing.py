@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import CheckpointFunction, detach_variable, set_device_states
 
+from isolate._rerun_safety import compiles, hooks_allow_fake, modules_in, restore, state_of
 from isolate.errors import BlindSpotError
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
     "is_reentrant",
     "keep_arguments",
     "recompute",
-    "recompute_safe",
     "recomputing",
     "shared_reruns",
 ]
@@ -51,32 +51,6 @@ Edge = tuple[Node | None, int]
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "isolate_recomputing", default=False
 )
-
-
-_SAFE = "__isolate_recompute_safe__"
-
-
-def recompute_safe(hook: Any) -> Any:
-    """Mark a forward hook (a function or a class of callable hooks) as one that does nothing
-    while an audit re-runs a segment (it checks :func:`recomputing`, or only sets a mode),
-    so a walk may re-run the segment on fake tensors with the hook in place."""
-    setattr(hook, _SAFE, True)
-    return hook
-
-
-def _hooks_allow_fake(fn: object) -> bool:
-    """Whether every forward hook that a re-run of ``fn`` could call is marked
-    :func:`recompute_safe`: a user's hook could keep or read what it is given."""
-    from torch.nn.modules import module as hooks
-
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-        return False
-    for root in _modules_in(fn):
-        for module in root.modules():
-            for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
-                if not getattr(hook, _SAFE, False):
-                    return False
-    return True
 
 
 def recomputing() -> bool:
@@ -98,27 +72,6 @@ def _describe(node: Node) -> str:
     return f"the reentrant checkpoint of {name}"
 
 
-def _modules_in(obj: object, depth: int = 0) -> Iterator[nn.Module]:
-    """The modules a segment's function holds: itself, a bound method's owner, a partial's
-    arguments, a closure's cells (transformers checkpoints ``partial(forward, layer)``)."""
-    if isinstance(obj, nn.Module):
-        yield obj
-        return
-    if depth > 3:
-        return
-    children: list[object] = []
-    if isinstance(obj, functools.partial):
-        children = [obj.func, *obj.args, *obj.keywords.values()]
-    elif isinstance(obj, types.MethodType):
-        children = [obj.__self__, obj.__func__]
-    elif isinstance(obj, types.FunctionType):
-        for cell in obj.__closure__ or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                children.append(cell.cell_contents)
-    for child in children:
-        yield from _modules_in(child, depth + 1)
-
-
 @contextlib.contextmanager
 def _buffers_kept(fn: object) -> Iterator[None]:
     """Give every buffer of the modules ``fn`` holds its value (and its slot) back on exit.
@@ -130,7 +83,7 @@ def _buffers_kept(fn: object) -> Iterator[None]:
     """
     kept: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
-    for root in _modules_in(fn):
+    for root in modules_in(fn):
         for module in root.modules():
             if id(module) in seen:
                 continue
@@ -270,9 +223,9 @@ def _rerun_structure(node: Any, caller: str) -> tuple[tuple[Any, ...], tuple[Any
     """Run the segment of ``node`` again on fake tensors (shapes, no values, no arithmetic):
     the graph a walk needs, at a fraction of a forward's cost. None where the fake run cannot
     stand in for the real one (a value the code branches on, a module that kept something it
-    computed, a forward hook not marked :func:`recompute_safe`, a process that has compiled
+    computed, a forward hook not marked ``recompute_safe``, a process that has compiled
     code with torch.compile, whose compiled regions the walks must see as compiled): the
-    caller then re-runs it for real. Modules are found as :func:`_modules_in` finds them (the
+    caller then re-runs it for real. Modules are found as ``modules_in`` finds them (the
     function, its owner, a partial's arguments, a closure's cells).
 
     The graph is the real one's: autograd records each operation before the fake mode sees
@@ -280,11 +233,11 @@ def _rerun_structure(node: Any, caller: str) -> tuple[tuple[Any, ...], tuple[Any
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if _compiles() or not _hooks_allow_fake(node.run_function):
+    if compiles() or not hooks_allow_fake(node.run_function):
         return None
     saved = _saved_arguments(node, caller)
     args = list(node.inputs)
-    modules = _state_of(node.run_function)
+    modules = state_of(node.run_function)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_replay(node))
@@ -295,43 +248,11 @@ def _rerun_structure(node: Any, caller: str) -> tuple[tuple[Any, ...], tuple[Any
                 args[index] = fake.requires_grad_(saved[i].requires_grad)
             outputs = node.run_function(*args)
     except Exception:  # any failure: the real re-run decides
-        _restore(modules)
+        restore(modules)
         return None
-    if _restore(modules) or _compiles():
+    if restore(modules) or compiles():
         return None
     return tuple(args), (outputs if isinstance(outputs, tuple) else (outputs,))
-
-
-def _compiles() -> int:
-    """How many frames torch.compile has compiled in this process (0 before any)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    return int(dynamo.utils.counters["frames"]["total"]) if dynamo is not None else 0
-
-
-_Kept = tuple[nn.Module, dict[str, Any], list[dict[str, Any]]]
-
-
-def _state_of(fn: object) -> list[_Kept]:
-    """Each module ``fn`` holds, with a shallow copy of its attributes and tensor slots."""
-    kept: list[_Kept] = []
-    for root in _modules_in(fn):
-        for module in root.modules():
-            slots: list[dict[str, Any]] = [dict(module._parameters), dict(module._buffers)]
-            kept.append((module, dict(module.__dict__), slots))
-    return kept
-
-
-def _restore(kept: list[_Kept]) -> bool:
-    """Put back every attribute and tensor slot a fake run changed; whether one changed."""
-    changed = False
-    for module, attributes, (params, buffers) in kept:
-        for now, before in ((module.__dict__, attributes), (module._parameters, params),
-                            (module._buffers, buffers)):  # fmt: skip
-            if now.keys() != before.keys() or any(now[k] is not v for k, v in before.items()):
-                changed = True
-                now.clear()
-                now.update(before)
-    return changed
 
 
 def _edge(t: torch.Tensor) -> Edge:

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from isolate._checkpointing import recompute_safe
+from isolate._rerun_safety import recompute_safe
 from isolate.errors import SelectorError
 
 __all__ = [

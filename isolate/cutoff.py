@@ -25,7 +25,8 @@ from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
 from isolate._autograd import Losses, Walk, check_losses, walk
-from isolate._checkpointing import recompute_safe, recomputing
+from isolate._checkpointing import recomputing
+from isolate._rerun_safety import recompute_safe
 from isolate._selectors import Selector, check_module, select
 from isolate._sharding import check_leaves
 from isolate.errors import CutOffError, IsolationTypeError

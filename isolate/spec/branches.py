@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from isolate._checkpointing import recompute_safe, recomputing
+from isolate._checkpointing import recomputing
+from isolate._rerun_safety import recompute_safe
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
 from isolate.cloning import Cloned

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from isolate._checkpointing import recompute_safe, recomputing
+from isolate._checkpointing import recomputing
+from isolate._rerun_safety import recompute_safe
 from isolate._walker import Names
 from isolate.errors import IsolationError, SpecError
 from isolate.spec.contract_clauses import (

@@ -383,11 +383,13 @@ def test_certify_section_in_a_tiny_configuration(tmp_path: Path) -> None:
     assert main(["--only", "certify", "--output", str(tmp_path), *sizes]) == 0
     payload = json.loads((tmp_path / "bench.json").read_text())
     assert payload["env"]["certify"] == vars(CertifyConfig(**TINY_CERTIFY))
-    warm, bare, cold, memory, planted = check_rows(tmp_path)
+    warm, bare, floor, cold, memory, planted = check_rows(tmp_path)
     label = "2.1M bf16 parameters, 0.00419 GB per file"
     assert warm["name"] == f"certify vs one sequential read of both files, {label}, page cache warm"
     assert cold["name"] == f"certify vs one sequential read of both files, {label}, page cache cold"
     assert bare["name"].startswith("certify without the files' hashes vs one sequential read")
+    assert floor["name"].startswith("the floor (two threads, every byte read once and XXH3-hashed")
+    assert floor["ok"] is None and floor["extra"]["certify over the floor (paired)"] > 0
     assert memory["name"].startswith("certify peak resident memory over its start")
     assert planted["name"].startswith("planted corruptions missed, of 5")
     assert warm["limit"] == cold["limit"] == 1.2 and warm["extra"]["large pair clean"] is True

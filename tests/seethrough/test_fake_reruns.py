@@ -25,7 +25,7 @@ from isolate.reachability import reachable_parameters
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process in which torch.compile has compiled nothing (the suite may have)."""
-    monkeypatch.setattr(checkpointing, "_compiles", lambda: 0)
+    monkeypatch.setattr(checkpointing, "compiles", lambda: 0)
 
 
 class Segmented(nn.Module):
@@ -76,7 +76,7 @@ def test_a_walk_reruns_the_segment_on_fake_tensors(fresh: None) -> None:
 
 
 def test_after_a_compile_the_walk_reruns_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkpointing, "_compiles", lambda: 1)
+    monkeypatch.setattr(checkpointing, "compiles", lambda: 1)
     model = Segmented()
     loss = model(IDS)
     model.seen.clear()
@@ -137,7 +137,7 @@ def test_a_segment_that_keeps_what_it_computed_is_rerun_for_real(fresh: None) ->
 
 def test_a_compile_during_the_fake_run_discards_it(monkeypatch: pytest.MonkeyPatch) -> None:
     counts = iter([0, 1, 1])  # nothing compiled before the fake run, one frame during it
-    monkeypatch.setattr(checkpointing, "_compiles", lambda: next(counts))
+    monkeypatch.setattr(checkpointing, "compiles", lambda: next(counts))
     model = Segmented()
     loss = model(IDS)
     model.seen.clear()
