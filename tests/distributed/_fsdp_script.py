@@ -13,9 +13,9 @@ Modes:
   decay) and with SGD (momentum): full-tensor fingerprints per step, thaw bookkeeping, and
   the naive thaw that is lost when a unit stays unsharded;
 * ``hsdp``: the rank check on a 2 x 2 (replicate x shard) mesh of 4 processes;
-* ``checkpointed``: a sharded layer behind a reentrant checkpoint: the walk re-runs it on
-  fake tensors (each re-run recorded), against a real backward, and the gradients of that
-  backward against the same model unsharded.
+* ``checkpointed``: a sharded layer behind a reentrant checkpoint: the walk's re-run (fake
+  or real, recorded) against a real backward, and the gradients of that backward against
+  the same model unsharded.
 """
 
 from __future__ import annotations
