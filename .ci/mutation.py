@@ -16,14 +16,25 @@ Each folder keeps mutmut's cache, so a second run resumes where the first stoppe
     python .ci/mutation.py survivors isolate/cutoff.py  # the diff of every survivor
     python .ci/mutation.py table                      # verdicts of every module run so far
 
-``run`` takes ``--max-children N`` (default 2) and runs mutmut under ``nice``.
+A stratified random sample over the whole package (``k`` mutants drawn per module with a
+fixed seed, run in one working folder, ``.mutation/sample/``, traced once against the
+package's whole test selection):
+
+    python .ci/mutation.py sample --k 3 --list        # the names drawn; nothing is run
+    python .ci/mutation.py sample --k 3 --max-children 1 isolate/_sharding.py ...
+    python .ci/mutation.py sample-table --k 3         # per module: verdicts, Wilson interval
+
+``run`` and ``sample`` take ``--max-children N`` (default 2) and run mutmut under ``nice``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -70,6 +81,36 @@ TESTS: dict[str, list[str]] = {
 }
 
 
+# The sample's default draw; a different seed or k is a different sample (and folder cache).
+SEED = 20261201
+K = 3
+
+# Test folders the sample adds to ``[tool.mutmut]``'s selection, so that the integrations
+# it leaves out (peft, transformers) are traced too.
+# The verdicts given by hand to the sample's survivors: {"equivalent": {name: why}}.
+SAMPLE_VERDICTS = ".ci/mutation_sample.json"
+
+SAMPLE_EXTRA_TESTS = ["tests/peft/test_spec.py", "tests/transformers"]
+
+# The order in which the sample's modules are run (a prefix of a path; the rest follow).
+PRIORITY = [
+    "isolate/_sharding.py",
+    "isolate/spec/thawing.py",
+    "isolate/spec/optimizers.py",
+    "isolate/spec/clock.py",
+    "isolate/spec/checks.py",
+    "isolate/spec/identity.py",
+    "isolate/exposure.py",
+    "isolate/spec/",
+    "isolate/lightning/",
+    "isolate/peft/",
+    "isolate/transformers/",
+    "isolate/certificates/",
+    "isolate/interop/",
+    "isolate/",
+]
+
+
 def pytest_args() -> list[str]:
     """The options ``[tool.mutmut]`` gives every pytest run (one list for both ways to run)."""
     with (ROOT / "pyproject.toml").open("rb") as f:
@@ -97,23 +138,75 @@ def tests_for(module: str) -> list[str]:
     return [(Path("tests") / layer).as_posix()]
 
 
-def count() -> dict[str, int]:
-    """Mutants per module, generated in memory: nothing is written or run."""
+def mutant_names(module: str) -> list[str]:
+    """The module's mutants, named as ``mutmut run`` and ``mutmut show`` take them
+    (``isolate.spec.clock.x_ramp__mutmut_3``, ``isolate.cutoff.xǁCutOffǁ__str____mutmut_2``),
+    generated in memory: nothing is written or run."""
     from mutmut.mutation.file_mutation import mutate_file_contents
 
-    return {
-        module: len(mutate_file_contents(module, (ROOT / module).read_text()).mutant_names)
-        for module in modules()
-    }
+    dotted = module.removesuffix(".py").replace("/", ".")
+    generated = mutate_file_contents(module, (ROOT / module).read_text()).mutant_names
+    return [f"{dotted}.{name}" for name in generated]
 
 
-def workdir(module: str) -> Path:
+def count() -> dict[str, int]:
+    """Mutants per module, generated in memory: nothing is written or run."""
+    return {module: len(mutant_names(module)) for module in modules()}
+
+
+def priority(module: str) -> tuple[int, str]:
+    """Where ``module`` comes in the sample's run order (``PRIORITY``)."""
+    rank = next(i for i, prefix in enumerate(PRIORITY) if module.startswith(prefix))
+    return rank, module
+
+
+def draw(k: int, seed: int) -> dict[str, list[str]]:
+    """``k`` mutants of every module (all of them if it has fewer), in run order.
+
+    Each module draws from its own generator, seeded with ``seed`` and its path, so the
+    sample of one module does not change when another module gains or loses mutants.
+    """
+    digest = hashlib.sha256(str(seed).encode())
+    for module in modules():
+        digest.update(module.encode() + (ROOT / module).read_bytes())
+    cache = WORK / "sample" / f"draw-{k}-{digest.hexdigest()[:16]}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    sample = {}
+    for module in sorted(modules(), key=priority):
+        names = sorted(mutant_names(module))
+        if names:
+            rng = random.Random(f"{seed}:{module}")
+            sample[module] = sorted(rng.sample(names, min(k, len(names))))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(sample, indent=1))
+    return sample
+
+
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion ``successes / n`` ((0, 1) if n is 0).
+
+    >>> [round(x, 3) for x in wilson(3, 3)]
+    [0.439, 1.0]
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def workdir(module: str, *, only: list[str] | None = None, tests: list[str] | None = None) -> Path:
     """``.mutation/<module>/`` set up for mutmut: the package and the tests linked in, and a
-    pyproject.toml whose ``[tool.mutmut]`` names this module and its tests."""
+    pyproject.toml whose ``[tool.mutmut]`` names this module and its tests (or, for the
+    folder ``sample``, the modules ``only`` and the tests ``tests``)."""
     slug = module.removesuffix(".py").replace("/", ".")
     where = WORK / slug
+    only = only if only is not None else [module]
+    tests = tests if tests is not None else tests_for(module)
     where.mkdir(parents=True, exist_ok=True)
-    for name in ("isolate", "tests"):
+    for name in ("isolate", "tests", "experiments", "examples", "configs"):
         link = where / name
         if not link.exists():
             link.symlink_to(ROOT / name, target_is_directory=True)
@@ -122,9 +215,10 @@ def workdir(module: str) -> Path:
     text += (
         "\n[tool.mutmut]\n"
         'source_paths = ["isolate"]\n'
-        f"only_mutate = {json.dumps([module])}\n"
+        f"only_mutate = {json.dumps(only)}\n"
         f"pytest_add_cli_args = {json.dumps(pytest_args())}\n"
-        f"pytest_add_cli_args_test_selection = {json.dumps(tests_for(module))}\n"
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        'also_copy = ["experiments", "examples", "configs"]\n'
         'process_isolation = "forkserver"\n'
     )
     target = where / "pyproject.toml"
@@ -157,11 +251,76 @@ def survivors(module: str) -> list[str]:
     return sorted(name for name, code in codes.items() if code == 0)
 
 
-def mutmut(module: str, *args: str) -> int:
-    """Run ``mutmut ARGS`` in the module's working folder."""
+def mutmut(module: str, *args: str, where: Path | None = None, niceness: int = 5) -> int:
+    """Run ``mutmut ARGS`` in the module's working folder (or in ``where``)."""
     binary = Path(sys.executable).with_name("mutmut")
-    command = ["nice", "-n", "5", str(binary), *args]
-    return subprocess.call(command, cwd=workdir(module), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = ["nice", "-n", str(niceness), str(binary), *args]
+    cwd = where if where is not None else workdir(module)
+    return subprocess.call(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def sample_dir(sample: dict[str, list[str]]) -> Path:
+    """``.mutation/sample/``: every sampled module mutated, traced once against the package's
+    whole test selection (``[tool.mutmut]``'s plus ``SAMPLE_EXTRA_TESTS``)."""
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        selection = tomllib.load(f)["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]
+    return workdir("sample", only=sorted(sample), tests=[*selection, *SAMPLE_EXTRA_TESTS])
+
+
+def sample_verdicts(sample: dict[str, list[str]]) -> dict[str, dict[str, str]]:
+    """mutmut's verdict of each sampled mutant so far, by module ("not checked" if not run)."""
+    from mutmut.stats import status_by_exit_code
+
+    verdicts = {}
+    for module, names in sample.items():
+        meta = WORK / "sample" / "mutants" / f"{module}.meta"
+        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+        verdicts[module] = {name: status_by_exit_code[codes.get(name)] for name in names}
+    return verdicts
+
+
+def sample_table(sample: dict[str, list[str]], equivalent: set[str]) -> str:
+    """A Markdown table of the sample: per module, the verdicts and the 95% Wilson interval
+    of the kill rate over the mutants that ran and are not ``equivalent`` (a timeout counts
+    as killed, a mutant no test calls as survived)."""
+    rows = [
+        "| Module | Sampled | Killed | Survived | No tests | Timeout/other | Not run"
+        " | Equivalent | Kill rate (95% Wilson) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    total = dict.fromkeys(("n", "killed", "survived", "no tests", "other", "not", "eq"), 0)
+    for module, verdicts in sample_verdicts(sample).items():
+        row = dict.fromkeys(total, 0)
+        row["n"] = len(verdicts)
+        for name, status in verdicts.items():
+            if status == "not checked":
+                row["not"] += 1
+                continue
+            if name in equivalent:
+                row["eq"] += 1
+            key = status if status in ("killed", "survived", "no tests") else "other"
+            row[key] += 1
+        for key in total:
+            total[key] += row[key]
+        rows.append(f"| `{module}` | {rate_cells(row)}")
+    rows.append(f"| all | {rate_cells(total)}")
+    return "\n".join(rows)
+
+
+def rate_cells(row: dict[str, int]) -> str:
+    """The cells of one row of ``sample_table`` after the module's name."""
+    caught = row["killed"] + row["other"]
+    n = caught + row["survived"] + row["no tests"] - row["eq"]
+    low, high = wilson(caught, n)
+    rate = f"{caught}/{n} [{low:.2f}, {high:.2f}]" if n else "-"
+    counts = (row[k] for k in ("n", "killed", "survived", "no tests", "other", "not", "eq"))
+    return " | ".join(map(str, counts)) + f" | {rate} |"
+
+
+def equivalents() -> set[str]:
+    """The sampled survivors judged equivalent, listed in ``SAMPLE_VERDICTS``."""
+    path = ROOT / SAMPLE_VERDICTS
+    return set(json.loads(path.read_text())["equivalent"]) if path.exists() else set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +338,42 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("table", help="verdicts per module of every module run so far")
     diffs = sub.add_parser("survivors", help="the diff of every survivor of one module")
     diffs.add_argument("module")
+    sample = sub.add_parser("sample", help="run k mutants drawn from every module")
+    sample.add_argument("modules", nargs="*", help="only these modules' draws (or prefixes)")
+    sample.add_argument("--k", type=int, default=K, help=f"mutants per module (default {K})")
+    sample.add_argument("--seed", type=int, default=SEED)
+    sample.add_argument("--max-children", type=int, default=1)
+    sample.add_argument("--list", action="store_true", help="print the names; run nothing")
+    sample.add_argument("--show", action="store_true", help="the diff of every sampled survivor")
+    table = sub.add_parser("sample-table", help="per module: the sample's verdicts")
+    table.add_argument("--k", type=int, default=K)
+    table.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args(argv)
+
+    if args.command in ("sample", "sample-table"):
+        drawn = draw(args.k, args.seed)
+        where = sample_dir(drawn)
+        if args.command == "sample-table":
+            print(f"seed {args.seed}, k {args.k}")
+            print(sample_table(drawn, equivalents()))
+            return 0
+        chosen = [
+            name
+            for module, names in drawn.items()
+            if not args.modules or any(module.startswith(m) for m in args.modules)
+            for name in names
+        ]
+        if args.list:
+            print("\n".join(chosen))
+            return 0
+        if args.show:
+            for verdicts in sample_verdicts(drawn).values():
+                for name, status in verdicts.items():
+                    if name in chosen and status in ("survived", "no tests"):
+                        mutmut("sample", "show", name, where=where)
+            return 0
+        run_args = ("run", "--max-children", str(args.max_children), *chosen)
+        return mutmut("sample", *run_args, where=where, niceness=10)
 
     if args.command == "count":
         counts = count()
