@@ -5,15 +5,19 @@ tests/distributed/test_fsdp.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.func import functional_call
 
 import isolate
 import isolate.errors
 import isolate.reachability
-from isolate.errors import ShardedGraphError
+from isolate._sharding import ShardedView, check_leaves, check_wrappers
+from isolate.errors import ShardedGraphError, UnsupportedStrategyError
 from isolate.reachability import walk
 
 
@@ -64,3 +68,61 @@ def test_foreign_leaves_that_stand_for_nothing_are_fine() -> None:
     assert isolate.reachability.reachable_parameters(loss, encoder) == ()
     isolate.assert_isolated(loss, encoder)
     assert isolate.reachability.reachable_parameters(loss, head) == ("weight", "bias")
+
+
+class _FakeFsdp1Unit(FullyShardedDataParallel):
+    """An FSDP1 unit as check_wrappers sees it (a flat parameter on a handle), built in one
+    process without a process group."""
+
+    def __init__(self, flat: nn.Parameter, *, use_orig_params: bool) -> None:
+        nn.Module.__init__(self)
+        handle = SimpleNamespace(flat_param=flat, _use_orig_params=use_orig_params)
+        object.__setattr__(self, "_handle", handle)
+
+
+def test_fsdp1_unit_without_orig_params_is_refused_naming_six_of_its_parameters() -> None:
+    flat = nn.Parameter(torch.zeros(4))
+    flat._fqns = [f"layer.{i}.weight" for i in range(8)]  # type: ignore[attr-defined]
+    model = nn.Sequential(_FakeFsdp1Unit(flat, use_orig_params=False))
+    with pytest.raises(UnsupportedStrategyError) as caught:
+        check_wrappers(model, {}, "apply()", lambda text: None)
+    shown_names = "'layer.0.weight', 'layer.1.weight', 'layer.2.weight', 'layer.3.weight', "
+    shown_names += "'layer.4.weight', 'layer.5.weight', ... and 2 more"
+    assert str(caught.value).startswith(
+        f"apply(): the model holds FullyShardedDataParallel units built with "
+        f"use_orig_params=False (_FakeFsdp1Unit over [{shown_names}]): "
+    )
+
+
+def test_flat_parameter_leaf_is_refused_with_or_without_its_names() -> None:
+    model = nn.Linear(2, 2)
+    named = nn.Parameter(torch.zeros(3))
+    named._is_flat_param = True  # type: ignore[attr-defined]
+    named._fqns = ["a.weight", "a.bias"]  # type: ignore[attr-defined]
+    unnamed = nn.Parameter(torch.zeros(3))
+    unnamed._is_flat_param = True  # type: ignore[attr-defined]
+    found = SimpleNamespace(leaves={id(named): named, id(unnamed): unnamed}, consumers={})
+    with pytest.raises(ShardedGraphError) as caught:
+        check_leaves(found, [model], "walk()", view=ShardedView())
+    assert str(caught.value).startswith(
+        "walk(): the graph's leaves include 2 FSDP1 FlatParameter(s), each holding many "
+        "parameters in one flat tensor (['a.weight', 'a.bias']); "
+    )
+
+
+def test_a_mapped_parameter_takes_its_temporarys_consumers_or_none() -> None:
+    # An FSDP2 parameter whose unsharded temporary is the graph's leaf: after the mapping
+    # the registered parameter is a leaf too, with a copy of the temporary's consumers.
+    model = nn.Linear(2, 2)
+    sharded, temporary = model.weight, torch.zeros(2, 2, requires_grad=True)
+    family = [sharded, temporary]
+    view = ShardedView(family={id(sharded): family, id(temporary): family}, units=[])
+    found = SimpleNamespace(leaves={id(temporary): temporary}, consumers={})
+    assert check_leaves(found, [model], "walk()", view=view) is view
+    assert found.leaves[id(sharded)] is sharded
+    assert found.consumers == {id(sharded): []}
+    consumers = ["node"]
+    found = SimpleNamespace(leaves={id(temporary): temporary}, consumers={id(temporary): consumers})
+    check_leaves(found, [model], "walk()", view=view)
+    assert found.consumers[id(sharded)] == ["node"]
+    assert found.consumers[id(sharded)] is not consumers
