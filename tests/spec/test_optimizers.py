@@ -79,3 +79,18 @@ def test_thaw_takes_an_optimizer_and_an_lr() -> None:
     assert len(first.param_groups) == 1
     handle.restore()
     assert len(second.param_groups) == 1
+
+
+def test_thaw_refuses_an_optimizer_object_that_is_not_attached() -> None:
+    model = Net()
+    first = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    stranger = torch.optim.SGD(model.aux.parameters(), lr=0.2)
+    spec = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.3", step=2, lr=0.5)])
+    handle = spec.apply(model, optimizer=first)
+    try:
+        with pytest.raises(SpecError, match=r"not one of the 1 attached optimizers"):
+            handle.thaw("trunk.3", optimizer=stranger)
+        assert len(first.param_groups) == 1 and len(stranger.param_groups) == 1
+        assert handle.thawed == ()
+    finally:
+        handle.restore()
