@@ -1,0 +1,58 @@
+"""Comparing parameters across ranks, in one process: the exchange is replaced by what two
+ranks would send, so the verdict (who differs, in which tensor) is checked without a
+process group. The real two-process runs are in tests/distributed/test_fsdp.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from isolate.errors import RankDivergenceError
+from isolate.spec import ranks
+from isolate.spec.ranks import check_ranks, replica_key
+
+
+def _two_ranks(monkeypatch: pytest.MonkeyPatch, other: Any) -> None:
+    """Make check_ranks see a second rank that sends ``other(names, mine)``."""
+
+    def gather(out: list[Any], obj: Any) -> None:
+        names, mine, _ = obj
+        out[:] = [obj, (names, other(mine), [])]
+
+    monkeypatch.setattr(ranks, "world_size", lambda: 2)
+    monkeypatch.setattr(ranks.dist, "all_gather_object", gather)
+
+
+def test_a_tensor_that_differs_on_the_other_rank_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    _two_ranks(monkeypatch, lambda mine: [mine[0], (mine[1][0], mine[1][1] + 1)])
+    params = {"a": torch.ones(3), "b": torch.zeros(2)}
+    errors = check_ranks(params, "at step 3", "verify()")
+    assert len(errors) == 1 and isinstance(errors[0], RankDivergenceError)
+    assert str(errors[0]).startswith(
+        "verify(): parameters differ across the 2 ranks (at step 3): ['b']\n"
+        "  b: ranks [0] vs [1] hold different values\n"
+    )
+
+
+def test_equal_tensors_and_pieces_held_nowhere_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    _two_ranks(monkeypatch, lambda mine: list(mine))
+    assert check_ranks({"a": torch.ones(3)}, "now", "verify()") == []
+    # A rank that holds no piece of a tensor (key None) has nothing to compare.
+    _two_ranks(monkeypatch, lambda mine: [(None, 7)])
+    assert check_ranks({"a": torch.ones(3)}, "now", "verify()") == []
+
+
+def test_replica_key_of_plain_and_sharded_tensors() -> None:
+    assert replica_key(torch.zeros(2)) == ()
+    shard = SimpleNamespace(is_replicate=lambda: False)
+    copy = SimpleNamespace(is_replicate=lambda: True)
+    mesh = SimpleNamespace(get_coordinate=lambda: [1, 0])
+    dtensor = SimpleNamespace(placements=(shard, copy), device_mesh=mesh)
+    assert replica_key(dtensor) == (1, -1)  # type: ignore[arg-type]
+    outside = SimpleNamespace(
+        placements=(shard,), device_mesh=SimpleNamespace(get_coordinate=lambda: None)
+    )
+    assert replica_key(outside) is None  # type: ignore[arg-type]
