@@ -125,3 +125,28 @@ def test_a_freeze_whose_optimizer_check_fails_changes_nothing() -> None:
     with pytest.raises(Boom):
         isolate.freeze(model, "0", "1", optimizer=optimizer)
     assert state(model) == before
+
+
+class TrippingNorm(nn.BatchNorm1d):
+    """A BatchNorm whose mode switch is interrupted once (armed after construction)."""
+
+    armed = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "training" and self.armed:
+            type(self).armed = False
+            raise KeyboardInterrupt
+        super().__setattr__(name, value)
+
+
+def test_a_freeze_interrupted_after_holding_a_norm_drops_every_hold() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), TrippingNorm(3), nn.Linear(3, 1))
+    before = state(model)
+    TrippingNorm.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        isolate.freeze(model)
+    assert not TrippingNorm.armed  # the interrupt came after both norms were held
+    assert state(model) == before  # flags, modes, and no hold left on either norm
+    with isolate.frozen(model, "1") as handle:
+        assert handle.held == ("1",)
+    assert state(model) == before
