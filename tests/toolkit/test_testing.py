@@ -105,6 +105,10 @@ def test_assert_gradient_invariance() -> None:
     message = str(info.value)
     assert "2 of 2 protected parameters (atol=0.0)" in message
     assert "\n  encoder.weight  max|Δ|=" in message and "encoder.bias" in message
+    assert message.endswith(
+        "\nFix: find the path with assert_isolated(aux_loss, protected) for each auxiliary "
+        "loss, and cut it with isolate.stop_gradient or isolate.Detached"
+    )
     assert_gradient_invariance(main, leaky, "encoder", model=model, atol=1e6)
     # Reaching the head, not the encoder, is fine.
     assert_gradient_invariance(main, main + head.weight.sum(), encoder)

@@ -201,6 +201,14 @@ def test_tensors_held_deeper_are_found_with_their_path() -> None:
         isolate.Detached(nn.Identity())(Slotted(x))
     with pytest.raises(IsolationTypeError, match=r"holding 2 tensor\(s\) at \._parameters"):
         isolate.Detached(nn.Identity())(nn.Linear(2, 2))  # a module passed as an input
+    # The first three paths are named; the rest are counted.
+    many = Wrapped(a=x, b=x * 2, c=x * 3, d=x * 4)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"holding 4 tensor\(s\) at \._store\['a'\], \._store\['b'\], \._store\['c'\], "
+        r"\.\.\.;",
+    ):
+        isolate.stop_gradient(many)
 
 
 def test_sets_iterators_and_fields_beyond_the_dataclass_are_refused() -> None:
