@@ -372,6 +372,28 @@ def test_a_reversal_names_what_is_wrong(layers: list[nn.Module], clause: str, de
             handle.verify(dann_losses(model), checks=["contracts"])
 
 
+def test_a_reversal_whose_classifier_did_not_run_cannot_be_checked() -> None:
+    model = nn.ModuleDict(
+        {"features": nn.Linear(4, 4), "domain": nn.Sequential(nn.Identity(), nn.Linear(4, 2))}
+    )
+    contract = {
+        "kind": "reversal",
+        "loss": "domain",
+        "features": "features",
+        "classifier": "domain.1",
+        "scale": 0.3,
+    }
+    with IsolationSpec(contracts=[contract]).applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        features = model["features"](torch.randn(8, 4))
+        loss = F.cross_entropy(features[:, :2], torch.arange(8) % 2)  # the classifier is skipped
+        with pytest.raises(
+            BlindSpotError,
+            match=r"'reversed at the features': 'domain\.1' did not run while the check recorded",
+        ):
+            handle.verify({"domain": loss}, checks=["contracts"])
+
+
 def test_a_reversal_agrees_with_gradients_computed_with_and_without_it() -> None:
     """The contract's measured factor is what two real backward passes give."""
     torch.manual_seed(0)

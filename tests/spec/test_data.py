@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-from isolate import IsolationSpec
+from isolate import IsolationSpec, Thaw
 from isolate.errors import (
     SpecError,
 )
@@ -48,3 +48,9 @@ def test_from_dict_round_trips_and_names_typos() -> None:
 def test_bad_specs_are_refused_when_built(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(SpecError, match=match):
         IsolationSpec(**kwargs)
+
+
+def test_prefixed_exclusions_alone_start_from_the_prefix() -> None:
+    spec = IsolationSpec(freeze=["!head"], thaw=[Thaw(["!trunk.0"], epoch=1)]).prefixed("net")
+    assert spec.freeze == ("net", "!net.head")
+    assert spec.thaw[0].select == ("net", "!net.trunk.0")
