@@ -80,6 +80,14 @@ def test_a_misspelt_verb_gets_a_close_match(capsys: pytest.CaptureFixture[str]) 
     assert f"The verbs are {', '.join(VERBS)} (see" in line
 
 
+def test_extra_arguments_name_the_first(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(capsys, ["schedule", "x:y", "extra", "more"])
+    assert (
+        line
+        == "isolate schedule: error: unexpected argument 'extra' (see 'isolate schedule --help')"
+    )
+
+
 def test_no_verb_names_the_verbs(capsys: pytest.CaptureFixture[str]) -> None:
     assert one_line_error(capsys, []) == (
         f"isolate: error: name a verb: {', '.join(VERBS)} (see 'isolate --help')"
