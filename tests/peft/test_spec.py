@@ -284,3 +284,20 @@ def test_mode_eval_refuses_a_mixed_module_unless_told_to_let_it_follow() -> None
     assert spec_for(model, mode="train").mode == "train"  # a mixed module follows anyway
     with pytest.raises(SpecError, match=r"mixed must be 'error' or 'follow', got 'hold'"):
         spec_for(model, mixed="hold")  # type: ignore[arg-type]
+
+
+def test_what_trains_names_a_flagged_tensor_no_loss_reaches() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"], modules_to_save=["2"]))
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    opt = torch.optim.AdamW(lora)
+    loss = model.base_model.model[0](torch.randn(3, 4)).sum()  # stops before module 2
+    found = what_trains(model, loss, opt)
+    saved = "base_model.model.2.modules_to_save.default"
+    assert found.idle == {
+        f"{saved}.weight": "no loss reaches it and in no optimizer",
+        f"{saved}.bias": "no loss reaches it and in no optimizer",
+    }
+    assert len(found.training) == 2
