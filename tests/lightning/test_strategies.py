@@ -5,15 +5,17 @@ not rebuilt. (Runs under DDP and FSDP2 are in tests/distributed/.)"""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from isolate.errors import SpecError, UnsupportedStrategyError
+from isolate.errors import CheckpointMismatchError, SpecError, UnsupportedStrategyError
 from isolate.lightning import IsolationCallback
-from isolate.lightning.strategies import check_trainer, rewrap
+from isolate.lightning.strategies import check_trainer, load_state_first, rewrap
 from tests.lightning._models import Net
 
 
@@ -60,3 +62,30 @@ def test_a_ddp_wrapper_from_another_strategy_cannot_be_rebuilt() -> None:
         rewrap(fake, "IsolationCallback")  # type: ignore[arg-type]
     plain = types.SimpleNamespace(strategy=types.SimpleNamespace(model=Net()))
     assert rewrap(plain, "IsolationCallback") is False  # type: ignore[arg-type]
+
+
+class _Strategy:
+    def __init__(self) -> None:
+        self.loaded: list[Any] = []
+
+    def load_checkpoint(self, checkpoint_path: Any) -> str:
+        self.loaded.append(checkpoint_path)
+        return "weights"
+
+
+def test_the_callbacks_state_is_loaded_before_the_strategys_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    torch.save({"callbacks": {"Isolation": {"thawed": ["trunk"]}}}, path)
+    strategy, got = _Strategy(), []
+    trainer: Any = types.SimpleNamespace(strategy=strategy)
+    load_state_first(trainer, "Isolation", got.append, "IsolationCallback")
+    assert strategy.load_checkpoint(path) == "weights"
+    assert got == [{"thawed": ["trunk"]}] and strategy.loaded == [path]
+    assert "load_checkpoint" not in strategy.__dict__  # once
+    load_state_first(trainer, "Other", got.append, "IsolationCallback")
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"^IsolationCallback: the checkpoint '.*last\.ckpt' holds no IsolationCallback state",
+    ):
+        strategy.load_checkpoint(str(path))
+    assert strategy.loaded == [path]
