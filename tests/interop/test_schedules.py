@@ -13,7 +13,7 @@ from torch import nn
 from isolate import IsolationSpec
 from isolate.cli import main
 from isolate.errors import SpecError
-from isolate.interop.schedules import default_schedule
+from isolate.interop.schedules import default_schedule, to_yaml
 from tests._launch import REPO, launch
 from tests.interop._schedule_models import Tower
 
@@ -63,3 +63,9 @@ def test_schedule_command_runs_as_a_module() -> None:
     ).stdout
     thaw = yaml.safe_load(out)["thaw"]
     assert thaw[0] == {"select": "model.stage2", "monitor": "val_loss", "patience": 3}
+
+
+def test_to_yaml_writes_flags_as_yaml_booleans() -> None:
+    text = to_yaml({"thaw": [{"select": "a", "align": True, "x": False}]})
+    assert text == "thaw:\n  - {select: a, align: true, x: false}\n"
+    assert yaml.safe_load(text) == {"thaw": [{"select": "a", "align": True, "x": False}]}

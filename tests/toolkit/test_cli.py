@@ -142,6 +142,10 @@ def test_a_file_that_is_not_yaml_is_one_line(
     broken.write_text("0: {params: [a\n1: x\n")
     line = one_line_error(capsys, ["migrate", str(broken)])
     assert line.startswith(f"isolate migrate: error: {broken} is not valid YAML at line")
+    unreadable = tmp_path / "bell.yaml"
+    unreadable.write_text("0: \x07\n")  # refused by the reader, which marks no line
+    line = one_line_error(capsys, ["migrate", str(unreadable)])
+    assert line.startswith(f"isolate migrate: error: {unreadable} is not valid YAML: ")
 
 
 def test_migrate_resolves_regexes_against_the_model(
