@@ -12,9 +12,11 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
 
 from isolate import Thaw
-from isolate.interop.leave import plain_checkpoint
+from isolate.errors import CheckpointMismatchError
+from isolate.interop.leave import CALLBACK_KEY, plain_checkpoint, plain_optimizer_state
 from isolate.lightning import IsolationCallback
 from tests.lightning._models import Four, fit, trainer
 
@@ -96,3 +98,42 @@ def test_leaving_isolate_weights_and_resume_without_the_callback(tmp_path: Path)
         == {n for n, _ in model.named_parameters() if n != "layer.1.weight" and n != "layer.1.bias"}
     )
     assert all(torch.equal(seen[n], by_name[n]) for n in by_name)
+
+
+def _thawed_sgd() -> tuple[nn.Sequential, torch.optim.Optimizer, list[list[str]]]:
+    """A model whose first layer was thawed into a second group, and that group layout."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    opt = torch.optim.SGD([net[1].weight, net[1].bias], lr=0.1)
+    opt.add_param_group({"params": [net[0].weight, net[0].bias], "lr": 0.01})
+    return net, opt, [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
+
+
+def test_nested_scheduler_states_are_rewritten_per_group() -> None:
+    net, opt, layout = _thawed_sgd()
+    inner = {"base_lrs": [0.1, 0.01], "last_epoch": 3}  # as SequentialLR keeps its children
+    sched = {"base_lrs": [0.1, 0.01], "_schedulers": [inner], "milestones": [5]}
+    checkpoint = {
+        "callbacks": {CALLBACK_KEY: {"layout": [layout]}},
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched],
+    }
+    plain = torch.optim.SGD(net.parameters(), lr=0.5)
+    out = plain_checkpoint(checkpoint, net, plain)
+    assert out["lr_schedulers"] == [
+        {
+            "base_lrs": [0.1],
+            "_schedulers": [{"base_lrs": [0.1], "last_epoch": 3}],
+            "milestones": [5],
+        }
+    ]
+
+
+def test_a_layout_that_does_not_fit_the_saved_groups_is_refused() -> None:
+    net, opt, layout = _thawed_sgd()
+    plain = torch.optim.SGD(net.parameters(), lr=0.5)
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"^plain_optimizer_state\(\): the saved optimizer has groups of sizes \[2, 2\], "
+        r"the layout \[2\]; ",
+    ):
+        plain_optimizer_state(opt.state_dict(), layout[:1], plain, net)
