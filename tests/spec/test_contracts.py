@@ -93,6 +93,18 @@ def test_a_bad_contract_is_refused_when_the_spec_is_built(entry: object, message
         IsolationSpec(contracts=[entry])  # type: ignore[list-item]
 
 
+def test_a_bad_contract_built_alone_names_the_contract() -> None:
+    unknown = r"unknown kind 'teachr' \(did you mean 'teacher'\?\)"
+    with pytest.raises(SpecError, match=rf"^Contract: {unknown}"):
+        Contract(kind="teachr", select="a")
+    with pytest.raises(SpecError, match=rf"^Contract: {unknown}"):
+        Contract.from_dict({"kind": "teachr", "select": "a"})
+    with pytest.raises(SpecError, match=r"^Contract: a contract is a mapping with a kind"):
+        Contract.from_dict("teacher")
+    with pytest.raises(SpecError, match=rf"^Contract 'mine': {unknown}"):
+        Contract(kind="teachr", select="a", name="mine")
+
+
 def test_contracts_must_be_a_list_with_distinct_names() -> None:
     with pytest.raises(SpecError, match=r"contracts must be a list of contracts"):
         IsolationSpec(contracts={"kind": "teacher", "select": "a"})  # type: ignore[arg-type]
