@@ -17,6 +17,7 @@ from torch.optim import lr_scheduler as L
 
 from isolate import IsolationSpec, Thaw
 from isolate.errors import SpecError
+from isolate.spec.lr_schedulers import extend
 from tests.spec._models import train, two_layers
 
 SCHEDULERS: dict[str, tuple[Callable[[torch.optim.Optimizer], Any], float]] = {
@@ -99,3 +100,18 @@ def test_an_unknown_scheduler_is_refused_at_attach_before_anything_changes() -> 
     with pytest.raises(SpecError, match=r"different lambda per param group"):
         handle.attach(opt, [scheduler])
     handle.restore()
+
+
+def test_a_group_added_to_a_sequential_scheduler_follows_its_source_group() -> None:
+    model, extra = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([model.weight], lr=0.1)
+    opt.add_param_group({"params": [model.bias], "lr": 0.1})
+    halving = L.LambdaLR(opt, [lambda epoch: 1.0, lambda epoch: 0.5**epoch])
+    flat = L.LambdaLR(opt, [lambda epoch: 1.0, lambda epoch: 1.0])
+    scheduler = L.SequentialLR(opt, [halving, flat], milestones=[5])
+    opt.add_param_group({"params": [extra.weight], "lr": 0.2, "initial_lr": 0.2})
+    extend(scheduler, opt, 1, 0.2)  # the new group follows group 1, not group 0
+    assert scheduler.get_last_lr() == [0.1, 0.1, 0.2]
+    opt.step()
+    scheduler.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.05, 0.1]
