@@ -59,3 +59,16 @@ def test_load_state_dict_reports_keys_without_the_module_infix() -> None:
     inner = model[1].load_state_dict({"0.weight": torch.ones(2, 2)}, strict=False)
     assert sorted(inner.missing_keys) == ["0.bias", "2.bias", "2.weight"]
     assert torch.equal(model[1].module[0].weight, torch.ones(2, 2))
+
+
+def test_the_wrapped_modules_children_parameters_and_buffers_are_reached_through_it() -> None:
+    inner = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    wrapped = isolate.Detached(inner)
+    assert wrapped.get_submodule("0") is inner[0]  # as torch.distributed.checkpoint walks keys
+    assert getattr(wrapped, "0") is inner[0]
+    linear = isolate.Detached(nn.Linear(2, 2))
+    assert linear.weight is linear.module.weight
+    norm = isolate.Detached(nn.BatchNorm1d(2))
+    assert norm.running_mean is norm.module.running_mean
+    with pytest.raises(AttributeError):
+        _ = linear.forward_pre_hooks_that_do_not_exist
