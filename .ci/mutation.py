@@ -87,7 +87,7 @@ K = 3
 
 # Test folders the sample adds to ``[tool.mutmut]``'s selection, so that the integrations
 # it leaves out (peft, transformers) are traced too.
-# The verdicts given by hand to the sample's survivors: {"equivalent": {name: why}}.
+# The verdicts given by hand to the sample's survivors (see ``hand_verdicts``).
 SAMPLE_VERDICTS = ".ci/mutation_sample.json"
 
 SAMPLE_EXTRA_TESTS = ["tests/peft/test_spec.py", "tests/transformers"]
@@ -171,7 +171,8 @@ def draw(k: int, seed: int) -> dict[str, list[str]]:
         digest.update(module.encode() + (ROOT / module).read_bytes())
     cache = WORK / "sample" / f"draw-{k}-{digest.hexdigest()[:16]}.json"
     if cache.exists():
-        return json.loads(cache.read_text())
+        cached: dict[str, list[str]] = json.loads(cache.read_text())
+        return cached
     sample = {}
     for module in sorted(modules(), key=priority):
         names = sorted(mutant_names(module))
@@ -279,28 +280,37 @@ def sample_verdicts(sample: dict[str, list[str]]) -> dict[str, dict[str, str]]:
     return verdicts
 
 
-def sample_table(sample: dict[str, list[str]], equivalent: set[str]) -> str:
-    """A Markdown table of the sample: per module, the verdicts and the 95% Wilson interval
-    of the kill rate over the mutants that ran and are not ``equivalent`` (a timeout counts
-    as killed, a mutant no test calls as survived)."""
+def sample_table(sample: dict[str, list[str]], hand: dict[str, dict[str, str]]) -> str:
+    """A Markdown table of the sample: per module, mutmut's verdicts, the survivors' verdicts
+    given by hand (``hand``, read from ``SAMPLE_VERDICTS``), and the 95% Wilson interval of
+    the suite's kill rate over the mutants that ran and are not equivalent. A timeout counts
+    as killed; a mutant that no test of mutmut's selection calls counts as survived, and so
+    does one that mutmut saw killed only by a test added for it."""
     rows = [
-        "| Module | Sampled | Killed | Survived | No tests | Timeout/other | Not run"
-        " | Equivalent | Kill rate (95% Wilson) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| Module | Sampled | Killed | Survived | No tests | Timeout | Not run | Equivalent"
+        " | Killed outside mutmut | Killed by added tests | Suite's kill rate (95% Wilson) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    total = dict.fromkeys(("n", "killed", "survived", "no tests", "other", "not", "eq"), 0)
+    keys = ("n", "killed", "survived", "no tests", "other", "not", "eq", "outside", "added")
+    total = dict.fromkeys(keys, 0)
     for module, verdicts in sample_verdicts(sample).items():
-        row = dict.fromkeys(total, 0)
+        row = dict.fromkeys(keys, 0)
         row["n"] = len(verdicts)
         for name, status in verdicts.items():
             if status == "not checked":
                 row["not"] += 1
                 continue
-            if name in equivalent:
-                row["eq"] += 1
-            key = status if status in ("killed", "survived", "no tests") else "other"
-            row[key] += 1
-        for key in total:
+            if status == "killed" and name in hand.get("added", {}):
+                status = "survived"  # mutmut ran it after the test that kills it was added
+            row[status if status in ("killed", "survived", "no tests") else "other"] += 1
+            if status in ("survived", "no tests"):
+                for key, verdict in (
+                    ("eq", "equivalent"),
+                    ("outside", "outside"),
+                    ("added", "added"),
+                ):
+                    row[key] += name in hand.get(verdict, {})
+        for key in keys:
             total[key] += row[key]
         rows.append(f"| `{module}` | {rate_cells(row)}")
     rows.append(f"| all | {rate_cells(total)}")
@@ -313,14 +323,16 @@ def rate_cells(row: dict[str, int]) -> str:
     n = caught + row["survived"] + row["no tests"] - row["eq"]
     low, high = wilson(caught, n)
     rate = f"{caught}/{n} [{low:.2f}, {high:.2f}]" if n else "-"
-    counts = (row[k] for k in ("n", "killed", "survived", "no tests", "other", "not", "eq"))
+    counts = (row[k] for k in row)
     return " | ".join(map(str, counts)) + f" | {rate} |"
 
 
-def equivalents() -> set[str]:
-    """The sampled survivors judged equivalent, listed in ``SAMPLE_VERDICTS``."""
+def hand_verdicts() -> dict[str, dict[str, str]]:
+    """The sampled survivors' verdicts given by hand (``SAMPLE_VERDICTS``): ``equivalent``
+    (name -> why), ``added`` (name -> the test added that kills it), ``outside`` (name -> the
+    test outside mutmut's selection that kills it: dynamo, child processes)."""
     path = ROOT / SAMPLE_VERDICTS
-    return set(json.loads(path.read_text())["equivalent"]) if path.exists() else set()
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--seed", type=int, default=SEED)
     sample.add_argument("--max-children", type=int, default=1)
     sample.add_argument("--list", action="store_true", help="print the names; run nothing")
+    sample.add_argument("--pending", action="store_true", help="only those not run yet")
     sample.add_argument("--show", action="store_true", help="the diff of every sampled survivor")
     table = sub.add_parser("sample-table", help="per module: the sample's verdicts")
     table.add_argument("--k", type=int, default=K)
@@ -355,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         where = sample_dir(drawn)
         if args.command == "sample-table":
             print(f"seed {args.seed}, k {args.k}")
-            print(sample_table(drawn, equivalents()))
+            print(sample_table(drawn, hand_verdicts()))
             return 0
         chosen = [
             name
@@ -363,12 +376,15 @@ def main(argv: list[str] | None = None) -> int:
             if not args.modules or any(module.startswith(m) for m in args.modules)
             for name in names
         ]
+        if args.pending:
+            status_of = {n: v for vs in sample_verdicts(drawn).values() for n, v in vs.items()}
+            chosen = [name for name in chosen if status_of[name] == "not checked"]
         if args.list:
             print("\n".join(chosen))
             return 0
         if args.show:
-            for verdicts in sample_verdicts(drawn).values():
-                for name, status in verdicts.items():
+            for statuses in sample_verdicts(drawn).values():
+                for name, status in statuses.items():
                     if name in chosen and status in ("survived", "no tests"):
                         mutmut("sample", "show", name, where=where)
             return 0
