@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from isolate.errors import CheckpointMismatchError, SpecError, UnsupportedStrategyError
@@ -62,6 +62,16 @@ def test_a_ddp_wrapper_from_another_strategy_cannot_be_rebuilt() -> None:
         rewrap(fake, "IsolationCallback")  # type: ignore[arg-type]
     plain = types.SimpleNamespace(strategy=types.SimpleNamespace(model=Net()))
     assert rewrap(plain, "IsolationCallback") is False  # type: ignore[arg-type]
+
+
+def test_rewrap_builds_ddp_again_around_the_lightning_module() -> None:
+    strategy: Any = DDPStrategy.__new__(DDPStrategy)  # isinstance and attributes only
+    strategy._model = object.__new__(DistributedDataParallel)
+    strategy._lightning_module = Net()
+    built: list[Any] = []
+    strategy.configure_ddp = lambda: built.append(strategy.model)
+    assert rewrap(types.SimpleNamespace(strategy=strategy), "IsolationCallback") is True  # type: ignore[arg-type]
+    assert built == [strategy._lightning_module]
 
 
 class _Strategy:
