@@ -105,6 +105,12 @@ def test_the_certificate_json_holds_what_is_needed_to_check_it_again(tmp_path: P
     assert data["clean"] is True
     assert data["claims"]["spec"]["freeze"] == ["trunk"]
     assert data["claims"]["ties"] == [["embed.weight", "out.weight"]]
+    assert data["claims"]["detect_ties"] is True
+    assert cert.to_json() == json.dumps(cert.to_dict(), indent=2)
+    with pytest.raises(KeyError, match=r"^\"no verdict on 'nope'\"$"):
+        cert.verdict("nope")
+    with pytest.raises(KeyError, match=r"^\"no verdict on 'nope' of claim 'frozen'\"$"):
+        cert.verdict("nope", "frozen")
     assert set(data["versions"]) >= {"isolate", "torch", "python"}
     assert data["tolerances"]["merge_ulps"] == 2.0
     assert any("cannot show which loss" in line for line in data["limits"])
