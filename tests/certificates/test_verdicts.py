@@ -153,7 +153,7 @@ def test_a_declared_tie_that_is_not_tied_in_the_base_fails(tmp_path: Path) -> No
     base["copy.weight"] = base["head.weight"] + 1
     cert = certify(
         *pair(tmp_path, "torch", trained(base), base),
-        ties=[["head.weight", "copy.weight"]],
+        ties=[["head.weight", "copy.weight"], ["embed.weight", "out.weight"]],
         detect_ties=False,
     )
     [fail] = cert.failures
@@ -162,6 +162,11 @@ def test_a_declared_tie_that_is_not_tied_in_the_base_fails(tmp_path: Path) -> No
         "tied",
         "not tied in the base",
     )
+    ties = {v.key: v.finding for v in cert.verdicts if v.claim == "tied"}
+    assert ties == {  # the tie declared after the failed one is still checked
+        "head.weight = copy.weight": "not tied in the base",
+        "embed.weight = out.weight": "still tied",
+    }
 
 
 def test_missing_unexpected_and_renamed_keys(tmp_path: Path) -> None:
