@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from isolate.certificates import certify
 from isolate.certificates.merge import check_merge
+from isolate.certificates.peft import LoraConfig
 from isolate.errors import CertificateError
 from tests.certificates._data import (
     ALPHA,
@@ -159,3 +160,19 @@ def test_an_adapter_that_does_not_fit_its_base_is_refused(tmp_path: Path) -> Non
     )
     with pytest.raises(CertificateError, match=r"target_modules \['v_proj'\] names no module"):
         certify(paths["base"], paths["tuned"], adapter_config=paths["config"])
+
+
+def test_modules_to_save_naming_no_module_is_refused_with_a_close_match(tmp_path: Path) -> None:
+    adapter = lora_adapter(head=True)
+    paths = write_lora(tmp_path, merged(lora_base(), adapter), adapter, modules_to_save=["lm_haed"])
+    with pytest.raises(CertificateError, match=r"names 'lm_haed', not a module of .*lm_head"):
+        _certify(paths)
+
+
+def test_target_modules_are_kept_as_a_tuple() -> None:
+    config = LoraConfig.load({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]})
+    assert config.target_modules == ("q_proj", "v_proj")
+    assert (
+        LoraConfig.load({"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}).target_modules
+        == "all-linear"
+    )
