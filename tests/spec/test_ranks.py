@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from isolate.errors import RankDivergenceError
-from isolate.spec import ranks
+from isolate.spec import cadence, ranks
+from isolate.spec.cadence import CHECKS, many_ranks
 from isolate.spec.ranks import check_ranks, replica_key
 
 
@@ -56,3 +57,10 @@ def test_replica_key_of_plain_and_sharded_tensors() -> None:
         placements=(shard,), device_mesh=SimpleNamespace(get_coordinate=lambda: None)
     )
     assert replica_key(outside) is None  # type: ignore[arg-type]
+
+
+def test_several_ranks_make_the_checks_a_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert many_ranks() == ()
+    monkeypatch.setattr(cadence, "world_size", lambda: 2)
+    assert many_ranks() == ("ranks",)
+    assert set(many_ranks()) <= set(CHECKS)
