@@ -115,3 +115,21 @@ def test_a_branch_called_past_the_record_limit_refuses_to_guess() -> None:
     _, aux = model(x)
     assert handle.verify({"aux": aux.sum()}).losses == {"aux": 6}
     handle.restore()
+
+
+def test_the_record_limit_is_64_calls_of_a_branch_per_step() -> None:
+    model = Net()
+    handle = IsolationSpec(detach=["aux"]).apply(model)
+    x = torch.randn(2, 4)
+    try:
+        for calls in (64, 65):
+            handle.step(epoch=0, step=calls)
+            for _ in range(calls):
+                _, aux = model(x)
+            if calls == 64:
+                assert handle.verify({"aux": aux.sum()}).losses == {"aux": 6}
+            else:
+                with pytest.raises(SpecError, match=r"\['aux'\] ran more than 64 times"):
+                    handle.verify({"aux": aux.sum()})
+    finally:
+        handle.restore()
