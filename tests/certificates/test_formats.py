@@ -106,6 +106,8 @@ def test_the_certificate_json_holds_what_is_needed_to_check_it_again(tmp_path: P
     assert data["claims"]["spec"]["freeze"] == ["trunk"]
     assert data["claims"]["ties"] == [["embed.weight", "out.weight"]]
     assert data["claims"]["detect_ties"] is True
+    head = next(v for v in data["verdicts"] if v["key"] == "head.weight")
+    assert (head["claim"], head["meta"]) == ("trainable", "float32[3, 6]")
     assert cert.to_json() == json.dumps(cert.to_dict(), indent=2)
     with pytest.raises(KeyError, match=r"^\"no verdict on 'nope'\"$"):
         cert.verdict("nope")
