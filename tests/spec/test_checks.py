@@ -133,3 +133,20 @@ def test_the_record_limit_is_64_calls_of_a_branch_per_step() -> None:
                     handle.verify({"aux": aux.sum()})
     finally:
         handle.restore()
+
+
+def test_a_check_step_without_the_losses_protect_names_is_refused() -> None:
+    model = Net()
+    handle = IsolationSpec(detach=["aux"], protect={"aux": ["trunk"]}).apply(model)
+    loop = handle.check_every(1)
+    try:
+        loop.begin_step(epoch=0, step=0)
+        main, aux = model(torch.randn(2, 4))
+        loop.before_backward(main.sum() + aux.sum())  # no named losses
+        with pytest.raises(
+            SpecError,
+            match=r"protect names the losses \['aux'\], but no named losses were given at step 0",
+        ):
+            loop.end_step()
+    finally:
+        handle.restore()
