@@ -39,6 +39,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import tomllib
 
@@ -184,6 +185,20 @@ def draw(k: int, seed: int) -> dict[str, list[str]]:
     return sample
 
 
+def recorded(k: int, seed: int) -> dict[str, list[str]] | None:
+    """The draw kept in ``SAMPLE_VERDICTS`` for this ``k`` and ``seed``, by module (a draw
+    made on an older tree stays the sample its verdicts are about), or None."""
+    hand = hand_verdicts()
+    if hand.get("k") != k or hand.get("seed") != seed:
+        return None
+    sample: dict[str, list[str]] = {}
+    for name in hand["drawn"]:
+        parts = name.split(".")
+        at = next(i for i, part in enumerate(parts) if part.startswith(("x_", "xǁ")))
+        sample.setdefault("/".join(parts[:at]) + ".py", []).append(name)
+    return dict(sorted(sample.items(), key=lambda item: priority(item[0])))
+
+
 def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     """The 95% Wilson score interval of a proportion ``successes / n`` ((0, 1) if n is 0).
 
@@ -280,7 +295,7 @@ def sample_verdicts(sample: dict[str, list[str]]) -> dict[str, dict[str, str]]:
     return verdicts
 
 
-def sample_table(sample: dict[str, list[str]], hand: dict[str, dict[str, str]]) -> str:
+def sample_table(sample: dict[str, list[str]], hand: dict[str, Any]) -> str:
     """A Markdown table of the sample: per module, mutmut's verdicts, the survivors' verdicts
     given by hand (``hand``, read from ``SAMPLE_VERDICTS``), and the 95% Wilson interval of
     the suite's kill rate over the mutants that ran and are not equivalent. A timeout counts
@@ -327,7 +342,7 @@ def rate_cells(row: dict[str, int]) -> str:
     return " | ".join(map(str, counts)) + f" | {rate} |"
 
 
-def hand_verdicts() -> dict[str, dict[str, str]]:
+def hand_verdicts() -> dict[str, Any]:
     """The sampled survivors' verdicts given by hand (``SAMPLE_VERDICTS``): ``equivalent``
     (name -> why), ``added`` (name -> the test added that kills it), ``outside`` (name -> the
     test outside mutmut's selection that kills it: dynamo, child processes)."""
@@ -364,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command in ("sample", "sample-table"):
-        drawn = draw(args.k, args.seed)
+        drawn = recorded(args.k, args.seed) or draw(args.k, args.seed)
         where = sample_dir(drawn)
         if args.command == "sample-table":
             print(f"seed {args.seed}, k {args.k}")
