@@ -110,3 +110,17 @@ def test_wrong_types() -> None:
     report = gradient_report(losses, model)
     with pytest.raises(IsolationTypeError, match=r"^plot_report\(\): cut_off must be"):
         plot_report(report, cut_off={"a": "b"})  # type: ignore[arg-type]
+
+
+def test_a_cell_turns_white_only_above_a_share_of_sixty_percent() -> None:
+    model = nn.ModuleDict({"a": nn.Linear(3, 1, bias=False), "b": nn.Linear(2, 1, bias=False)})
+    loss = model["a"].weight.sum() + model["b"].weight.sum()  # squared norms 3 and 2
+    fig = plot_report(gradient_report({"main": loss}, model))
+    assert [(t.get_text().split()[0], t.get_color()) for t in fig.axes[0].texts] == [
+        ("60.0%", "black"),
+        ("40.0%", "black"),
+    ]
+    wide = nn.ModuleDict({"a": nn.Linear(4, 1, bias=False), "b": nn.Linear(1, 1, bias=False)})
+    loss = wide["a"].weight.sum() + wide["b"].weight.sum()  # 80% in a
+    fig = plot_report(gradient_report({"main": loss}, wide))
+    assert [t.get_color() for t in fig.axes[0].texts] == ["white", "black"]
