@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from isolate.certificates import certify
+from isolate.certificates.compare import is_constant
 from isolate.spec import IsolationSpec
 from tests.certificates._data import FORMATS, SPEC, base_state, pair, trained
 
@@ -210,3 +211,10 @@ def test_a_lightning_checkpoint_is_read_from_its_state_dict(tmp_path: Path) -> N
     assert cert.tuned.group == "state_dict"
     assert cert.verdict("net.trunk.0.weight").finding == "bitwise unchanged"
     assert cert.claims["spec"]["freeze"] == ["net.trunk"]
+
+
+def test_a_tensor_of_one_element_or_none_counts_as_constant() -> None:
+    # Constant tensors (a fresh bias, a norm's ones) are equal in the base without being tied.
+    assert is_constant(torch.tensor(3.0)) and is_constant(torch.tensor([5.0]))
+    assert is_constant(torch.empty(0)) and is_constant(torch.ones(4))
+    assert not is_constant(torch.arange(4.0))
