@@ -212,6 +212,12 @@ def test_parameter_filters() -> None:
             IsolationTypeError,
             r"^assert_unchanged\(\): atol must be a number >= 0",
         ),
+        (
+            lambda: snapshot(nn.Linear(1, 1), drift="fingerprint").assert_unchanged(atol=0.1),
+            IsolationTypeError,
+            r"^assert_unchanged\(\): atol=0\.1 needs the size of a change, which a fingerprint "
+            r"snapshot does not know; take snapshot\(\.\.\., drift='copy'\) to allow a tolerance$",
+        ),
     ],
 )
 def test_snapshot_errors(call: Callable[[], Any], error: type[Exception], message: str) -> None:
