@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from isolate.errors import CheckpointMismatchError, SpecError, UnsupportedStrategyError
 from isolate.lightning import IsolationCallback
+from isolate.lightning.checkpoint import SavedState
 from isolate.lightning.strategies import check_trainer, load_state_first, rewrap
 from tests.lightning._models import Net
 
@@ -99,3 +100,12 @@ def test_the_callbacks_state_is_loaded_before_the_strategys_checkpoint(tmp_path:
     ):
         strategy.load_checkpoint(str(path))
     assert strategy.loaded == [path]
+
+
+def test_a_fit_without_resume_takes_the_weights_check_off_the_strategy() -> None:
+    strategy: Any = _Strategy()
+    strategy.load_model_state_dict = lambda checkpoint: None  # as check_before_weights wraps it
+    trainer: Any = types.SimpleNamespace(strategy=strategy)
+    SavedState.no_resume(trainer)
+    assert "load_model_state_dict" not in strategy.__dict__
+    SavedState.no_resume(trainer)  # nothing to take off: a no-op
