@@ -301,3 +301,15 @@ def test_what_trains_names_a_flagged_tensor_no_loss_reaches() -> None:
         f"{saved}.bias": "no loss reaches it and in no optimizer",
     }
     assert len(found.training) == 2
+
+
+def test_a_weight_the_variant_freezes_is_not_expected_to_train() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"]))
+    # As PEFT's LoRA variants that keep A fixed record it (peft.tuners.lora.variants).
+    model.base_model.model[0].frozen_peft_weight_names = {"default": ("lora_A",)}
+    parts = layout(model).parts
+    assert not parts["base_model.model.0.lora_A.default.weight"].trains
+    assert parts["base_model.model.0.lora_B.default.weight"].trains
