@@ -36,3 +36,10 @@ from isolate.errors import SpecError
 def test_bad_thaw_fields_are_refused_by_name(keys: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError, match=message):
         Thaw.from_dict({"select": "0", **keys})
+
+
+def test_a_warmup_ratio_of_one_is_allowed_and_above_one_is_not() -> None:
+    thaw = Thaw("trunk", epoch=1, warmup_ratio=1.0, warmup_steps=2)
+    assert thaw.warmup_ratio == 1.0
+    with pytest.raises(SpecError, match=r"warmup_ratio must be a number in \(0, 1\], got 1\.5"):
+        Thaw("trunk", epoch=1, warmup_ratio=1.5, warmup_steps=2)
