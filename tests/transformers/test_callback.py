@@ -168,6 +168,27 @@ def test_a_step_whose_loss_bypasses_compute_loss_is_a_blind_spot(tmp_path: Path)
     assert model.a.weight.requires_grad and untouched(t)
 
 
+class OutputsToo(Trainer):
+    """A training step that asks ``compute_loss`` for the outputs too, ``(loss, outputs)``."""
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        model.train()
+        loss, _outputs = self.compute_loss(model, inputs, return_outputs=True)
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+def test_a_loss_returned_with_its_outputs_is_the_one_checked(tmp_path: Path) -> None:
+    model = Net(unused=True)
+    t = trainer(tmp_path, model, steps=2)
+    t.__class__ = OutputsToo
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1)
+    # The reach check walks the loss, the first item: the unused layer is named as cut off.
+    with pytest.raises(CutOffError, match=r"  c\.weight, c\.bias: no path from any loss"):
+        t.train()
+    assert all(p.requires_grad for p in model.parameters()) and untouched(t)
+
+
 def test_a_selector_matching_nothing_changes_nothing(tmp_path: Path) -> None:
     model = Net()
     t = trainer(tmp_path, model, steps=2)
