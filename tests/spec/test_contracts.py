@@ -355,6 +355,15 @@ def dann_losses(model: nn.ModuleDict) -> dict[str, torch.Tensor]:
     return {"domain": F.cross_entropy(model["domain"](features), torch.arange(8) % 2)}
 
 
+REVERSAL = {
+    "kind": "reversal",
+    "loss": "domain",
+    "features": "features",
+    "classifier": "domain.1",
+    "scale": 0.3,
+}
+
+
 @pytest.mark.parametrize(
     ("layers", "clause", "detail"),
     [
@@ -371,14 +380,7 @@ def dann_losses(model: nn.ModuleDict) -> dict[str, torch.Tensor]:
 def test_a_reversal_names_what_is_wrong(layers: list[nn.Module], clause: str, detail: str) -> None:
     torch.manual_seed(0)
     model = nn.ModuleDict({"features": nn.Linear(4, 4), "domain": nn.Sequential(*layers)})
-    contract = {
-        "kind": "reversal",
-        "loss": "domain",
-        "features": "features",
-        "classifier": "domain.1",
-        "scale": 0.3,
-    }
-    with IsolationSpec(contracts=[contract]).applied(model) as handle:
+    with IsolationSpec(contracts=[REVERSAL]).applied(model) as handle:
         handle.step(epoch=0, step=0)
         with pytest.raises(ContractError, match=rf"'{clause}': .*{detail}"):
             handle.verify(dann_losses(model), checks=["contracts"])
@@ -388,14 +390,7 @@ def test_a_reversal_whose_classifier_did_not_run_cannot_be_checked() -> None:
     model = nn.ModuleDict(
         {"features": nn.Linear(4, 4), "domain": nn.Sequential(nn.Identity(), nn.Linear(4, 2))}
     )
-    contract = {
-        "kind": "reversal",
-        "loss": "domain",
-        "features": "features",
-        "classifier": "domain.1",
-        "scale": 0.3,
-    }
-    with IsolationSpec(contracts=[contract]).applied(model) as handle:
+    with IsolationSpec(contracts=[REVERSAL]).applied(model) as handle:
         handle.step(epoch=0, step=0)
         features = model["features"](torch.randn(8, 4))
         loss = F.cross_entropy(features[:, :2], torch.arange(8) % 2)  # the classifier is skipped
@@ -424,14 +419,7 @@ def test_a_reversal_agrees_with_gradients_computed_with_and_without_it() -> None
         F.cross_entropy(model["domain"][1](model["features"](x)), y), model["features"].weight
     )[0]
     torch.testing.assert_close(with_reversal, -0.3 * without)
-    contract = {
-        "kind": "reversal",
-        "loss": "domain",
-        "features": "features",
-        "classifier": "domain.1",
-        "scale": 0.3,
-    }
-    with IsolationSpec(contracts=[contract]).applied(model) as handle:
+    with IsolationSpec(contracts=[REVERSAL]).applied(model) as handle:
         handle.step(epoch=0, step=0)
         features = model["features"](x)
         verification = handle.verify(
