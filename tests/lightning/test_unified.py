@@ -241,3 +241,43 @@ def test_lightning_cli_takes_the_callback_by_class_path(
     cli.trainer.fit(cli.model, loader())
     assert _changed(before, state(cli.model.trunk)) == {"3.weight", "3.bias"}
     assert callback.state_dict()["thawed"][0]["name"] == "trunk.3"
+
+
+def _imports_without(*missing: str, broken: str | None = None) -> Any:
+    """``importlib`` for ``_compat`` with the top-level packages ``missing`` not installed, and
+    ``broken`` (if given) failing on a dependency of its own that is missing."""
+
+    def import_module(name: str) -> ModuleType:
+        top = name.split(".")[0]
+        if top in missing:
+            raise ModuleNotFoundError(f"No module named {top!r}", name=top)
+        if name == broken:
+            raise ModuleNotFoundError(
+                "No module named 'lightning_utilities'", name="lightning_utilities"
+            )
+        return importlib.import_module(name)
+
+    return types.SimpleNamespace(import_module=import_module)
+
+
+@pytest.mark.parametrize(
+    ("missing", "found"),
+    [(("lightning",), ["pytorch_lightning"]), (("pytorch_lightning",), ["lightning.pytorch"])],
+)
+def test_a_lightning_that_is_not_installed_is_left_out(
+    missing: tuple[str, ...], found: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compat = importlib.import_module("isolate.lightning._compat")
+    monkeypatch.setattr(compat, "importlib", _imports_without(*missing))
+    assert [package.__name__ for package in compat._installed()] == found
+
+
+def test_a_broken_lightning_is_not_taken_for_a_missing_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat = importlib.import_module("isolate.lightning._compat")
+    monkeypatch.setattr(compat, "importlib", _imports_without(broken="lightning.pytorch"))
+    with pytest.raises(ModuleNotFoundError) as broken:
+        compat._installed()
+    assert broken.value.name == "lightning_utilities"
+    monkeypatch.setattr(compat, "importlib", _imports_without("lightning", "pytorch_lightning"))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'isolate\[lightning\]'"):
+        compat._installed()
