@@ -62,8 +62,8 @@ class Verification:
             model holds under their names (none replaced since the spec was applied).
         losses: loss name -> how many protected parameters were checked against it.
         reach: how many trainable parameters were checked to be reached by the total loss.
-        drift: how many frozen parameters and held buffers were compared with their values
-            when frozen.
+        drift: how many frozen parameters and buffers of the frozen part were compared with
+            their values when frozen.
         flags: how many frozen parameters were checked to still have ``requires_grad=False``.
         optimizers: how many optimizers were searched for frozen parameters.
         ranks: the number of processes compared (1 outside a distributed run).
@@ -86,7 +86,7 @@ class Verification:
 _SAID = {
     "params": "{n} parameters of the spec were still the objects the model holds (none replaced)",
     "reach": "the loss backpropagated reached each of {n} trainable parameters",
-    "drift": "{n} frozen tensors (parameters, held BatchNorm buffers) unchanged since frozen",
+    "drift": "{n} frozen tensors (parameters, buffers of the frozen part) unchanged since frozen",
     "flags": "{n} frozen parameters still had requires_grad=False",
     "optimizers": "{n} optimizer(s) held no frozen parameter",
     "ranks": "{n} process(es) held the same frozen tensors",
@@ -104,7 +104,7 @@ class Tally:
     >>> print(tally)
     verify ran 2 times; every check passed:
       losses (1x): 'probe' reached none of the 4 parameters it must not reach
-      drift (2x): 4 frozen tensors (parameters, held BatchNorm buffers) unchanged since frozen
+      drift (2x): 4 frozen tensors (parameters, buffers of the frozen part) unchanged since frozen
     """
 
     runs: int = 0
@@ -156,27 +156,48 @@ def watch(
     *,
     drift: Drift = "fingerprint",
 ) -> Snapshot:
-    """A :func:`~isolate.drift.snapshot` of the ``frozen`` parameters, and of the buffers of the
-    held ``norms`` when the spec holds BatchNorm in eval mode, by ``state_dict`` key.
+    """A :func:`~isolate.drift.snapshot` of the ``frozen`` parameters and of the buffers of the
+    frozen part, by ``state_dict`` key.
+
+    The frozen part's buffers are those of every module whose parameters are all frozen (and
+    of the modules under it): a frozen layer's forward must not change its state either
+    (spectral norm's power iteration, a running average, a quantizer's scale). The held
+    ``norms`` are left out when the spec lets them train (``bn="train"``, ``mode="train"``);
+    held in eval mode, their statistics must stay still.
 
     Fingerprints by default: any change of any bit is caught for O(number of tensors) memory,
     but not its size. With ``drift="copy"`` copies live in host memory (a frozen backbone does
     not cost accelerator memory twice) and a report gives the largest change.
     """
-    buffers = (
-        [
-            plan.names.of_id[id(b)]
-            for m in norms.values()
-            for b in m.buffers(recurse=False)
-            if id(b) in plan.names.of_id
-        ]
-        if plan.spec.policy == "eval"
-        else []
+    training = (
+        {id(b) for m in norms.values() for b in m.buffers(recurse=False)}
+        if plan.spec.policy == "train"
+        else set()
     )
+    buffers = [
+        plan.names.of_id[id(b)]
+        for b in _frozen_part_buffers(plan.model, {id(p) for p in frozen.values()})
+        if id(b) in plan.names.of_id and id(b) not in training
+    ]
     moving = plan.moving  # an EMA target is frozen to gradients, but moves by its rule
     return snapshot(
         plan.model, names=[n for n in [*frozen, *buffers] if n not in moving], drift=drift
     )
+
+
+def _frozen_part_buffers(model: nn.Module, frozen: set[int]) -> list[torch.Tensor]:
+    """The buffers of the modules of ``model`` that have parameters, all of them ``frozen``
+    (ids), and of every module under those, each once."""
+    seen: set[int] = set()
+    out = []
+    for module in model.modules():
+        params = list(module.parameters())
+        if params and all(id(p) in frozen for p in params):
+            for b in module.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    out.append(b)
+    return out
 
 
 def check_drift(watched: Snapshot, when: str, caller: str) -> tuple[list[IsolationError], Snapshot]:
@@ -194,6 +215,13 @@ def check_drift(watched: Snapshot, when: str, caller: str) -> tuple[list[Isolati
         + ("changed (size unknown: fingerprints only)" if math.isnan(d) else f"max|Δ|={d:.3e}")
         for name, d in list(moved.items())[:8]
     ]
+    if any(kinds[name] == "buffer" for name in moved):
+        lines.append(
+            "A frozen layer's forward in train mode updates its buffers (BatchNorm's running "
+            "statistics, spectral norm's vectors, a running average). Fix: hold the frozen "
+            "part in eval mode with mode='eval', or let its layers train with mode='train' "
+            "(bn='train' for BatchNorm alone)"
+        )
     error = DriftError(
         f"{caller}: frozen tensors moved ({when}): {shown(moved)}\n" + "\n".join(lines)
     )

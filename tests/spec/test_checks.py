@@ -150,3 +150,81 @@ def test_a_check_step_without_the_losses_protect_names_is_refused() -> None:
             loop.end_step()
     finally:
         handle.restore()
+
+
+class _Averaging(torch.nn.Module):
+    """A layer whose forward in train mode keeps a running average of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.register_buffer("average", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.linear(x)
+
+
+class _Counting(torch.nn.Module):
+    """A layer without parameters that counts its calls: no part of a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+def _stateful() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(3, 3)
+    with torch.no_grad():  # two close singular values: each power iteration still moves u, v
+        linear.weight.copy_(torch.diag(torch.tensor([1.0, 0.999, 0.5])))
+    spectral = torch.nn.utils.parametrizations.spectral_norm(linear)
+    return torch.nn.Sequential(
+        spectral, _Averaging(), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1), _Counting()
+    )
+
+
+def _trained(model: torch.nn.Module, spec: IsolationSpec) -> tuple[dict[str, bool], str]:
+    """Train two steps under ``spec``: which buffers moved (by brute force: their values
+    before and after), and what verify said first ("" if it passed)."""
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    said = ""
+    with spec.applied(model, optimizer=torch.optim.SGD(model[3].parameters(), lr=0.1)) as h:
+        for step in range(2):
+            h.step(epoch=0, step=step)
+            loss = model(torch.randn(8, 3)).sum()
+            try:
+                h.verify(total=loss)
+            except DriftError as error:
+                said = said or str(error)
+            loss.backward()
+    moved = {n: not torch.equal(b, before[n]) for n, b in model.named_buffers()}
+    return moved, said
+
+
+def test_a_buffer_a_frozen_layer_updates_in_train_mode_is_drift() -> None:
+    stateful = ["0.parametrizations.weight.0._u", "0.parametrizations.weight.0._v", "1.average"]
+    # Held in eval mode by the default: BatchNorm; the spectral norm and the average move.
+    # The counter moves too, but it is no part of the frozen layers.
+    moved, said = _trained(_stateful(), IsolationSpec(freeze=["0", "1", "2"]))
+    assert [n for n, m in moved.items() if m] == [*stateful, "4.calls"]
+    assert f"frozen tensors moved (at epoch 0, step 0): {stateful}" in said
+    assert "Fix: hold the frozen part in eval mode with mode='eval'" in said
+    # bn='train' lets BatchNorm alone train: its statistics move and are not drift.
+    moved, said = _trained(_stateful(), IsolationSpec(freeze=["0", "1", "2"], bn="train"))
+    assert moved["2.running_mean"] and moved["1.average"]
+    assert f"moved (at epoch 0, step 0): {stateful}" in said
+    # mode='eval' holds every layer of the frozen part: nothing moves, verify passes.
+    moved, said = _trained(_stateful(), IsolationSpec(freeze=["0", "1", "2"], mode="eval"))
+    assert [n for n, m in moved.items() if m] == ["4.calls"] and said == ""
+    # mode='train' declares that they train: everything moves, nothing is drift.
+    moved, said = _trained(_stateful(), IsolationSpec(freeze=["0", "1", "2"], mode="train"))
+    assert all(moved.values()) and said == ""
+    # A layer with a trainable parameter is not frozen: its buffers may move.
+    moved, said = _trained(_stateful(), IsolationSpec(freeze=["0", "1.linear.weight", "2"]))
+    assert moved["1.average"] and "1.average" not in said
