@@ -220,7 +220,9 @@ def check_drift(watched: Snapshot, when: str, caller: str) -> tuple[list[Isolati
             "A frozen layer's forward in train mode updates its buffers (BatchNorm's running "
             "statistics, spectral norm's vectors, a running average). Fix: hold the frozen "
             "part in eval mode with mode='eval', or let its layers train with mode='train' "
-            "(bn='train' for BatchNorm alone)"
+            "(bn='train' for BatchNorm alone). A buffer that moves in either mode (a step "
+            "counter, a quantization observer) means its layer is not frozen: leave the layer "
+            "out of freeze"
         )
     error = DriftError(
         f"{caller}: frozen tensors moved ({when}): {shown(moved)}\n" + "\n".join(lines)
