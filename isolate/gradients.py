@@ -408,7 +408,11 @@ class GradientInvariance:
 
     @property
     def isolated(self) -> bool:
-        """Whether every delta is exactly zero."""
+        """Whether every delta is exactly zero: on this batch, the auxiliary losses left the
+        main loss's gradients as they were. A branch that reaches a parameter but sends it
+        exactly zero on this batch (a ReLU dead for these inputs) also gives ``0.0``;
+        :func:`~isolate.reachability.assert_isolated` on the auxiliary loss proves the
+        isolation from the graph, for every input."""
         return self.max_delta == 0.0
 
     def changed(self, *, atol: float = 0.0) -> dict[str, float]:
