@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from isolate._text import shown
+from isolate.errors import CheckpointMismatchError
 from isolate.spec.cadence import StepGuard
 from isolate.spec.identity import require_held
 from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
@@ -73,6 +75,16 @@ class Attachment:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Thaw what the saved state had thawed; on failure the thaw clock is put back."""
         entries = check_state(self.plan.record(), state, self.plan.group_names, self.caller)
+        saved = {entry["name"] for entry in entries}
+        ahead = [name for name in self.thaws.applied if name not in saved]
+        if ahead:
+            raise CheckpointMismatchError(
+                f"{self.caller}: this handle has thawed {shown(ahead)}, which the state had "
+                f"not thawed (it was saved earlier in the run); load_state_dict thaws what the "
+                f"state thawed and freezes nothing again. Load it into a handle that has not "
+                f"thawed more: apply the spec to the model and optimizer the checkpoint is "
+                f"loaded into, then call load_state_dict before training"
+            )
         phases = self.thaws.phases.state_dict()
         self.thaws.phases.load_state_dict(state.get("phases"), self.caller)
         try:

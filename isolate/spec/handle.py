@@ -380,8 +380,9 @@ class IsolationHandle:
         the attached optimizers here, in the saved order).
 
         Raises:
-            CheckpointMismatchError: the state was written under another spec, or is
-                malformed or inconsistent; the handle is left as it was.
+            CheckpointMismatchError: the state was written under another spec, is malformed
+                or inconsistent, or was saved before a thaw this handle has made; the handle is
+                left as it was.
         """
         self._require_active("load_state_dict")
         self._attachment.load_state_dict(state)

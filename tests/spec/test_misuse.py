@@ -342,6 +342,35 @@ def test_a_refused_load_leaves_the_handle_exactly_as_it_was() -> None:
         handle.restore()
 
 
+def test_a_state_saved_before_a_thaw_the_handle_made_is_refused_by_what_it_thawed() -> None:
+    spec = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.1", epoch=2, lr=0.01)])
+    model = net()
+    opt = torch.optim.SGD([*model.mid.parameters(), *model.head.parameters()], lr=0.1)
+    handle = spec.apply(model, opt)
+    try:
+        earlier = handle.state_dict()
+        handle.step(epoch=2, step=2)
+        assert handle.thawed == ("trunk.1",)
+        before, state = state_of(model, opt), handle.state_dict()
+        with pytest.raises(
+            CheckpointMismatchError,
+            match=r"this handle has thawed \['trunk.1'\], which the state had not thawed .*"
+            r"apply the spec to the model and optimizer the checkpoint is loaded into",
+        ):
+            handle.load_state_dict(earlier)
+        assert_state(before, state_of(model, opt))
+        assert handle.state_dict() == state
+    finally:
+        handle.restore()
+    again = net()
+    fresh = spec.apply(
+        again, torch.optim.SGD([*again.mid.parameters(), *again.head.parameters()], lr=0.1)
+    )
+    fresh.load_state_dict(earlier)  # into a handle that has not thawed more, it loads
+    assert fresh.thawed == ()
+    fresh.restore()
+
+
 def test_a_thaw_that_cannot_join_leaves_no_group_behind() -> None:
     model = net()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
