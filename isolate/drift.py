@@ -215,6 +215,17 @@ class Snapshot:
         """
         return tuple(e.name for e, now, _ in self._compare(math.inf) if id(now) != e.ident)
 
+    def require_tensors(self, caller: str) -> None:
+        """Refuse a snapshot that recorded nothing: asserting on it could never fail."""
+        if self._entries:
+            return
+        raise SelectorError(
+            f"{caller}: the snapshot of {self._description} recorded no tensor, so this "
+            f"assertion could never fail. Snapshot what the test protects: freeze it before "
+            f"taking the snapshot (parameters='frozen' records what requires_grad=False then), "
+            f"or pass the module, filter or names= that hold its parameters and buffers"
+        )
+
     def _check_atol(self, caller: str, atol: float) -> None:
         if not isinstance(atol, (int, float)) or not atol >= 0:
             raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
@@ -236,6 +247,8 @@ class Snapshot:
                 buffer, its ``requires_grad``, its max |Δ| and how many elements moved (with
                 a copy), and the likely cause.
             IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot.
+            SelectorError: the snapshot recorded no tensor, so the assertion could never
+                fail (``parameters="frozen"`` before anything was frozen, say).
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
         >>> snap = snapshot(model, drift="fingerprint")
@@ -247,6 +260,7 @@ class Snapshot:
         """
         caller = "assert_unchanged()"
         self._check_atol(caller, atol)
+        self.require_tensors(caller)
         moved = [(e, now, d) for e, now, d in self._compare(atol) if not d <= atol]
         if not moved:
             return

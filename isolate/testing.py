@@ -164,6 +164,8 @@ def assert_unchanged(
 
     Raises:
         DriftError: naming every tensor that changed, with its max |Δ|.
+        SelectorError: ``target`` and the filters select no tensor (checked on entry, since
+            such an assertion could never fail).
 
     >>> bn = nn.BatchNorm1d(2)
     >>> with assert_unchanged(bn):
@@ -174,6 +176,7 @@ def assert_unchanged(
     """
     __tracebackhide__ = True
     snap = snapshot(target, parameters=parameters, buffers=buffers)
+    snap.require_tensors("assert_unchanged()")  # before the block: an empty one proves nothing
     yield snap
     snap.assert_unchanged(atol=atol)
 

@@ -13,8 +13,8 @@ from torch import nn
 
 import isolate.testing as plugin
 from isolate.cutoff import assert_reached as core_assert_reached
-from isolate.drift import Snapshot
-from isolate.errors import CutOffError, DriftError, GradientLeakError
+from isolate.drift import Snapshot, snapshot
+from isolate.errors import CutOffError, DriftError, GradientLeakError, SelectorError
 from isolate.reachability import assert_isolated as auditing_assert_isolated
 from isolate.testing import (
     assert_gradient_invariance,
@@ -75,6 +75,29 @@ def test_assert_unchanged_names_what_moved() -> None:
             p.grad = torch.zeros_like(p)
         opt.step()
     assert "0.weight" in str(info.value) and "in 9 of 9 elements" in str(info.value)
+
+
+def test_an_assertion_over_no_tensor_is_refused_before_the_block_runs() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())  # nothing frozen yet
+    ran = []
+    with (
+        pytest.raises(SelectorError, match=r"snapshot of Sequential recorded no tensor, so"),
+        assert_unchanged(model, parameters="frozen", buffers=False),
+    ):
+        ran.append(True)
+    assert ran == []
+    with (
+        pytest.raises(SelectorError, match=r"snapshot of ReLU recorded no tensor"),
+        assert_unchanged(model[1]),
+    ):
+        ran.append(True)
+    assert ran == []
+    snap = snapshot(model, names=[])  # a query on it answers: nothing changed
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert snap.changed() == {}
+    with pytest.raises(SelectorError, match=r"^assert_unchanged\(\): the snapshot of Sequent"):
+        snap.assert_unchanged()
 
 
 def test_assert_unchanged_lets_the_block_exception_through() -> None:
