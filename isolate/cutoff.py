@@ -29,7 +29,7 @@ from isolate._checkpointing import recomputing
 from isolate._rerun_safety import recompute_safe
 from isolate._selectors import Selector, check_module, select
 from isolate._sharding import check_leaves
-from isolate.errors import CutOffError, IsolationTypeError
+from isolate.errors import CutOffError, IsolationTypeError, SelectorError
 
 __all__ = ["CutOff", "ForwardTrace", "assert_reached", "cut_off_parameters", "trace_forward"]
 
@@ -449,7 +449,9 @@ def assert_reached(
         BlindSpotError: the walk cannot see part of the graph (see
             :func:`cut_off_parameters`): the check refuses rather than guess.
         IsolationTypeError: an argument has the wrong type.
-        SelectorError: an ``expected_unused`` selector matches no parameter.
+        SelectorError: an ``expected_unused`` selector matches no parameter, or nothing is
+            left to prove: no parameter of ``model`` is trainable, or each one is expected
+            unused and not reached.
 
     >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     >>> x = torch.randn(2, 3)
@@ -462,6 +464,16 @@ def assert_reached(
     __tracebackhide__ = True
     caller = "assert_reached()"
     result = _cut_off(losses, model, expected_unused, trace, caller)
+    if result.trainable == len(result.expected_unused):
+        total = sum(1 for _ in model.parameters())
+        unused = len(result.expected_unused)
+        excused = f", and {unused} of them expected unused" if unused else ""
+        raise SelectorError(
+            f"{caller}: nothing to prove: {result.trainable} of the {total} parameters of "
+            f"{type(model).__name__} are trainable{excused}, so this assertion could never "
+            f"fail. Assert it where the parameters that must learn require grad (before a "
+            f"freeze, or after their thaw)"
+        )
     if result.parameters:
         raise CutOffError(
             f"{caller}: {result}\nFix: connect them to the loss, freeze them "

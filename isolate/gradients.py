@@ -401,10 +401,13 @@ class GradientInvariance:
         deltas: parameter name -> max |grad(total) - grad(main)| over its elements; exactly
             ``0.0`` for every parameter the auxiliary losses do not reach.
         max_delta: the largest of ``deltas`` (``0.0`` when there are none).
+        trainable: how many of the protected parameters require grad: only those have
+            gradients to compare (a frozen one reports ``0.0`` either way).
     """
 
     deltas: Mapping[str, float]
     max_delta: float
+    trainable: int = 0
 
     @property
     def isolated(self) -> bool:
@@ -500,4 +503,4 @@ def gradient_invariance(
     deltas = {e.name: _grad_delta(before.get(id(e.tensor)), after.get(id(e.tensor))) for e in named}
     values = list(deltas.values())
     overall = math.nan if any(map(math.isnan, values)) else max(values, default=0.0)
-    return GradientInvariance(deltas=deltas, max_delta=overall)
+    return GradientInvariance(deltas=deltas, max_delta=overall, trainable=len(trainable))

@@ -39,7 +39,7 @@ from isolate._protected import Protected
 from isolate._selectors import Selector
 from isolate.cutoff import assert_reached, trace_forward
 from isolate.drift import ParameterFilter, Snapshot, snapshot
-from isolate.errors import GradientLeakError
+from isolate.errors import GradientLeakError, SelectorError
 from isolate.gradients import gradient_invariance
 from isolate.reachability import assert_isolated
 
@@ -77,6 +77,7 @@ def assert_gradient_invariance(
 
     Raises:
         GradientLeakError: naming each parameter whose gradient changed and by how much.
+        SelectorError: no protected parameter requires grad: there is nothing to compare.
 
     >>> encoder, head, probe = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 2)
     >>> features = encoder(torch.randn(4, 3))
@@ -90,6 +91,13 @@ def assert_gradient_invariance(
     __tracebackhide__ = True
     caller = "assert_gradient_invariance()"
     result = gradient_invariance(main_loss, total_loss, protected, model=model)
+    if not result.trainable:
+        raise SelectorError(
+            f"{caller}: nothing to prove: none of the {len(result.deltas)} protected "
+            f"parameters requires grad, so neither loss sends them a gradient and this "
+            f"assertion could never fail. Assert it while they are trainable (before a "
+            f"freeze, or after their thaw); frozen ones are for assert_unchanged"
+        )
     moved = result.changed(atol=atol)
     if not moved:
         return

@@ -100,6 +100,32 @@ def test_an_assertion_over_no_tensor_is_refused_before_the_block_runs() -> None:
         snap.assert_unchanged()
 
 
+def test_an_assertion_with_nothing_trainable_to_prove_is_refused() -> None:
+    torch.manual_seed(0)
+    encoder, head, probe = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 2)
+    model = nn.Sequential(encoder, head)
+    x = torch.randn(4, 3)
+    encoder.requires_grad_(False)
+    features = encoder(x)
+    main = head(features).mean()
+    # The probe reads the features undetached: trainable, the encoder would learn from it.
+    with pytest.raises(SelectorError, match=r"none of the 2 protected parameters requires gr"):
+        assert_gradient_invariance(main, main + probe(features).mean(), encoder)
+    model.requires_grad_(False)
+    with pytest.raises(SelectorError, match=r"nothing to prove: 0 of the 4 parameters of Seq"):
+        assert_trains(model, lambda: model(x).sum())
+    with pytest.raises(SelectorError, match=r"and 2 of them expected unused, so this"):
+        head.requires_grad_(True)
+        assert_reached(model(x).sum().detach(), model, expected_unused="1")
+    # With the parameters trainable, each assertion proves something and passes or fails.
+    model.requires_grad_(True)
+    assert_trains(model, lambda: model(x).sum())
+    features = encoder(x)
+    main = head(features).mean()
+    with pytest.raises(GradientLeakError, match=r"change the gradient of 2 of 2 protected"):
+        assert_gradient_invariance(main, main + probe(features).mean(), encoder)
+
+
 def test_assert_unchanged_lets_the_block_exception_through() -> None:
     bn = nn.BatchNorm1d(2)
     with pytest.raises(KeyError), assert_unchanged(bn):
