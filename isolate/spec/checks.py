@@ -341,9 +341,20 @@ def check_losses(
     violations: list[IsolationError] = []
     for loss_name, loss in losses.items():
         reached = _walk([loss], plan.model, caller)
-        violations += _bypassed(plan, names, branch_inputs, loss_name, reached, when, caller)
+        bypassed = _bypassed(plan, names, branch_inputs, loss_name, reached, when, caller)
+        violations += bypassed
         protected = dict(frozen)
         protected.update(upstream if plan.protect is None else plan.protect.get(loss_name, {}))
+        detached = [w.name for w in plan.wraps if w.kind == "detach"]
+        if not protected and detached and not bypassed:
+            raise SpecError(
+                f"{caller}.verify(): {when}, loss {loss_name!r} has no parameter to be kept "
+                f"from: the detach branches {detached} did not run with inputs that require "
+                f"grad, nothing is frozen and protect does not name {loss_name!r}, so the "
+                f"check would pass whatever the loss reaches. Compute it through the detach "
+                f"branch in this step's forward, or name what it must not reach with "
+                f"protect={{{loss_name!r}: [...]}}"
+            )
         counts[loss_name] = len(protected)
         leaked = {n: p for n, p in protected.items() if id(p) in reached}
         if not leaked:

@@ -228,3 +228,24 @@ def test_a_buffer_a_frozen_layer_updates_in_train_mode_is_drift() -> None:
     # A layer with a trainable parameter is not frozen: its buffers may move.
     moved, said = _trained(_stateful(), IsolationSpec(freeze=["0", "1.linear.weight", "2"]))
     assert moved["1.average"] and "1.average" not in said
+
+
+def test_a_loss_with_nothing_to_be_kept_from_is_refused() -> None:
+    model = Net()
+    spec = IsolationSpec(detach=["aux"])  # nothing frozen, no protect
+    with spec.applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        features = model.trunk(torch.randn(5, 4))
+        # Computed beside the branch, not through it: it reaches the trunk, and no check
+        # would know what it must not reach.
+        beside = features.pow(2).mean()
+        assert beside.grad_fn is not None
+        with pytest.raises(
+            SpecError,
+            match=r"at epoch 0, step 0, loss 'aux' has no parameter to be kept from: the detach "
+            r"branches \['aux'\] did not run with inputs that require grad, nothing is frozen",
+        ):
+            handle.verify({"aux": beside})
+        # Through the branch, the trunk is upstream of its input: checked, and isolated.
+        _, aux = model(torch.randn(5, 4))
+        assert handle.verify({"aux": aux.sum()}).losses == {"aux": 6}  # the trunk's 6 tensors
