@@ -193,14 +193,16 @@ def test_a_region_whose_backward_graph_is_gone_is_refused_by_name() -> None:
     info = region._lazy_backward_info
     region._lazy_backward_info = None
     try:
-        for audit in (
-            lambda: reachable_parameters(main, model),
-            lambda: assert_isolated(probe, model.trunk),
-            lambda: cut_off_parameters(main, model),
-            lambda: assert_reached(main, model),
+        for caller, audit in (
+            ("reachable_parameters", lambda: reachable_parameters(main, model)),
+            ("assert_isolated", lambda: assert_isolated(probe, model.trunk)),
+            ("cut_off_parameters", lambda: cut_off_parameters(main, model)),
+            ("assert_reached", lambda: assert_reached(main, model)),
         ):
             with pytest.raises(
-                BlindSpotError, match=r"torch\.compile region, graph 0/0 get a grad"
+                BlindSpotError,
+                match=rf"^{caller}\(\): cannot see which inputs of .*torch\.compile region, "
+                r"graph 0/0 get a grad",
             ):
                 audit()
     finally:

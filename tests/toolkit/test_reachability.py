@@ -600,3 +600,20 @@ def test_hidden_leaves_of_the_model_are_refused_whatever_is_protected(protected:
     model, loss = _hidden_leaves()
     with pytest.raises(ShardedGraphError, match=r"^assert_isolated\(\): the graph's leaves"):
         assert_isolated(loss, protected(model), model=model)
+
+
+def test_a_segment_checkpointed_inside_a_segment_on_its_argument_reaches_what_feeds_both() -> None:
+    # The inner checkpoint takes the outer segment's argument as it is, so the inner
+    # segment's detached argument stands for the outer's, which stands for embed's output.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"embed": nn.Linear(3, 3), "block": nn.Linear(3, 3)})
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(model["block"], h, use_reentrant=True)  # type: ignore[no-any-return]
+
+    x = torch.randn(2, 3)
+    loss = checkpoint(outer, model["embed"](x), use_reentrant=True).sum()
+    names = ("embed.weight", "embed.bias", "block.weight", "block.bias")
+    assert reachable_parameters(loss, model) == names
+    loss.backward()  # autograd.grad refuses reentrant checkpoints: a real backward
+    assert tuple(n for n, p in model.named_parameters() if p.grad is not None) == names
