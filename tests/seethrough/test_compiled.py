@@ -152,6 +152,30 @@ def test_an_output_reached_late_adds_its_parameters() -> None:
         assert reachable_parameters(a.sum(), model) == ("a.weight", "a.bias")
 
 
+def test_a_region_is_read_once_for_each_output_set_however_often_it_is_reached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reaching an output of an expanded region again adds nothing: its backward graph is
+    read again only when a new output is reached."""
+    import isolate._seethrough as seethrough
+
+    reads: list[set[int]] = []
+
+    def counted(node: object, outputs: set[int], caller: str) -> object:
+        reads.append(set(outputs))
+        return live_edges(node, outputs, caller)
+
+    live_edges = seethrough.live_edges
+    monkeypatch.setattr(seethrough, "live_edges", counted)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    compiled = torch.compile(lambda x: (model["a"](x), model["b"](x)), backend="aot_eager")
+    a, b = compiled(torch.randn(2, 3))
+    # b's output is met first; a's twice, both before the region is expanded
+    loss = (a.sum() + a.mean()) + b.sum()
+    assert reachable_parameters(loss, model) == ("a.weight", "a.bias", "b.weight", "b.bias")
+    assert reads == [{0, 1}]
+
+
 def test_recompiled_with_dynamic_shapes() -> None:
     """A second batch size recompiles with a symbolic size, an argument of the region that is
     not a tensor: the backward graph's outputs and the node's edges still line up."""
@@ -193,14 +217,16 @@ def test_a_region_whose_backward_graph_is_gone_is_refused_by_name() -> None:
     info = region._lazy_backward_info
     region._lazy_backward_info = None
     try:
-        for audit in (
-            lambda: reachable_parameters(main, model),
-            lambda: assert_isolated(probe, model.trunk),
-            lambda: cut_off_parameters(main, model),
-            lambda: assert_reached(main, model),
+        for caller, audit in (
+            ("reachable_parameters", lambda: reachable_parameters(main, model)),
+            ("assert_isolated", lambda: assert_isolated(probe, model.trunk)),
+            ("cut_off_parameters", lambda: cut_off_parameters(main, model)),
+            ("assert_reached", lambda: assert_reached(main, model)),
         ):
             with pytest.raises(
-                BlindSpotError, match=r"torch\.compile region, graph 0/0 get a grad"
+                BlindSpotError,
+                match=rf"^{caller}\(\): cannot see which inputs of .*torch\.compile region, "
+                r"graph 0/0 get a grad",
             ):
                 audit()
     finally:

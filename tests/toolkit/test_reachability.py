@@ -17,14 +17,17 @@ from torch.utils.checkpoint import checkpoint
 
 from isolate import assert_isolated
 from isolate.errors import (
+    BlindSpotError,
     GradientLeakError,
     IsolationError,
     IsolationTypeError,
     SelectorError,
+    ShardedGraphError,
 )
 from isolate.gradients import gradient_invariance
 from isolate.reachability import reachable_parameters
 from tests.toolkit._shared import Net, X
+from tests.toolkit.test_sharding import FlatViews
 
 
 def brute_force(loss: torch.Tensor | list[torch.Tensor], model: nn.Module) -> tuple[str, ...]:
@@ -521,3 +524,96 @@ def test_of_equally_short_routes_the_first_parameter_in_model_order_is_shown() -
     model = _TwoLeaves()
     message = _leak(model.zeta.sum() + model.alpha.sum(), model)
     assert "Shortest route, to zeta: AddBackward0 -> SumBackward0 -> AccumulateGrad\n" in message
+
+
+# --------------------------------------------------------------------------------------------
+# What assert_isolated cannot see, it refuses in its own name
+
+
+def test_a_segment_that_cannot_be_re_run_is_refused_in_the_callers_name(lin: nn.Linear) -> None:
+    x = torch.randn(2, 3, requires_grad=True)
+    out = checkpoint(lin, x, use_reentrant=True).sum()
+    out.backward()  # frees the segment's saved arguments
+    with pytest.raises(RuntimeError):  # brute force cannot answer either
+        torch.autograd.grad(out, lin.weight)
+    for audit, caller in (
+        (lambda: reachable_parameters(out, lin), r"reachable_parameters\(\)"),
+        (lambda: assert_isolated(out, lin), r"assert_isolated\(\)"),
+        (lambda: assert_isolated(out, lin.weight, model=lin), r"assert_isolated\(\)"),
+    ):
+        with pytest.raises(BlindSpotError, match=rf"^{caller}: cannot re-run .* saved arguments"):
+            audit()
+
+
+class DTensor(nn.Parameter):
+    """Stands for a sharded parameter: the audits know one by its class name alone."""
+
+
+def test_a_sharded_parameter_no_module_passed_owns_is_refused() -> None:
+    sharded = DTensor(torch.zeros(2))
+    temporary = torch.zeros(2, requires_grad=True)  # what FSDP2 would put in the graph
+    loss = (temporary * 2).sum()
+    # Negative control: the walk alone finds no sharded parameter, so without the refusal
+    # the audit would pass whatever the loss reaches.
+    assert torch.autograd.grad(loss, sharded, allow_unused=True) == (None,)
+    with pytest.raises(ShardedGraphError) as info:
+        assert_isolated(loss, [sharded])
+    assert str(info.value) == (
+        "assert_isolated(): 1 of the parameters audited are sharded (DTensor), and no "
+        "fully_shard unit passed owns them, so their graph leaves (FSDP's unsharded "
+        "temporaries) cannot be found; pass the whole model with model=..."
+    )
+
+
+def _hidden_leaves() -> tuple[FlatViews, torch.Tensor]:
+    model = FlatViews(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)))
+    loss = model(torch.randn(2, 3)).sum()
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    assert grads == (None,) * 4  # the backward writes to the hidden leaf, not to these
+    return model, loss
+
+
+@pytest.mark.parametrize(
+    "protected",
+    [
+        pytest.param(lambda m: m, id="module"),
+        pytest.param(lambda m: [m.module[0], m.module[2]], id="modules"),
+    ],
+)
+def test_hidden_leaves_of_the_modules_protected_are_refused_without_a_model(
+    protected: Any,
+) -> None:
+    model, loss = _hidden_leaves()
+    with pytest.raises(ShardedGraphError, match=r"^assert_isolated\(\): the graph's leaves"):
+        assert_isolated(loss, protected(model))
+
+
+@pytest.mark.parametrize(
+    "protected",
+    [
+        pytest.param(lambda m: list(m.module[0].parameters()), id="parameters"),
+        pytest.param(lambda m: "module.0.*", id="selector"),
+        pytest.param(lambda m: m.module[0], id="submodule"),
+    ],
+)
+def test_hidden_leaves_of_the_model_are_refused_whatever_is_protected(protected: Any) -> None:
+    model, loss = _hidden_leaves()
+    with pytest.raises(ShardedGraphError, match=r"^assert_isolated\(\): the graph's leaves"):
+        assert_isolated(loss, protected(model), model=model)
+
+
+def test_a_segment_checkpointed_inside_a_segment_on_its_argument_reaches_what_feeds_both() -> None:
+    # The inner checkpoint takes the outer segment's argument as it is, so the inner
+    # segment's detached argument stands for the outer's, which stands for embed's output.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"embed": nn.Linear(3, 3), "block": nn.Linear(3, 3)})
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(model["block"], h, use_reentrant=True)  # type: ignore[no-any-return]
+
+    x = torch.randn(2, 3)
+    loss = checkpoint(outer, model["embed"](x), use_reentrant=True).sum()
+    names = ("embed.weight", "embed.bias", "block.weight", "block.bias")
+    assert reachable_parameters(loss, model) == names
+    loss.backward()  # autograd.grad refuses reentrant checkpoints: a real backward
+    assert tuple(n for n, p in model.named_parameters() if p.grad is not None) == names
