@@ -401,8 +401,7 @@ class GradientInvariance:
         deltas: parameter name -> max |grad(total) - grad(main)| over its elements; exactly
             ``0.0`` for every parameter the auxiliary losses do not reach.
         max_delta: the largest of ``deltas`` (``0.0`` when there are none).
-        trainable: how many of the protected parameters require grad: only those have
-            gradients to compare (a frozen one reports ``0.0`` either way).
+        trainable: how many protected parameters require grad (have gradients to compare).
     """
 
     deltas: Mapping[str, float]
@@ -411,11 +410,7 @@ class GradientInvariance:
 
     @property
     def isolated(self) -> bool:
-        """Whether every delta is exactly zero: on this batch, the auxiliary losses left the
-        main loss's gradients as they were. A branch that reaches a parameter but sends it
-        exactly zero on this batch (a ReLU dead for these inputs) also gives ``0.0``;
-        :func:`~isolate.reachability.assert_isolated` on the auxiliary loss proves the
-        isolation from the graph, for every input."""
+        """Whether every delta is exactly zero (on this batch: see :func:`gradient_invariance`)."""
         return self.max_delta == 0.0
 
     def changed(self, *, atol: float = 0.0) -> dict[str, float]:
@@ -429,13 +424,10 @@ def _grad_delta(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     # with the same values can differ in their indices' order and duplicates.
     a = a.to_dense() if a is not None and a.layout != torch.strided else a
     b = b.to_dense() if b is not None and b.layout != torch.strided else b
-    if a is not None and b is not None:
-        return max_abs_diff(a, b)
-    if a is not None:
-        return max_abs_diff(a, torch.zeros_like(a))
-    if b is not None:
-        return max_abs_diff(torch.zeros_like(b), b)
-    return 0.0
+    if a is None or b is None:
+        only = a if b is None else b
+        return 0.0 if only is None else max_abs_diff(only, torch.zeros_like(only))
+    return max_abs_diff(a, b)
 
 
 def gradient_invariance(
@@ -470,7 +462,8 @@ def gradient_invariance(
     Note:
         ``total = 0.5 * main + aux`` changes every gradient by a factor of 0.5, so the deltas
         are not zero even when the isolation holds: weight the auxiliary terms, not the main
-        loss. Frozen parameters get no gradient either way and report ``0.0``.
+        loss. Frozen parameters, and a branch dead on this batch (a ReLU), give ``0.0``:
+        :func:`~isolate.reachability.assert_isolated` proves isolation for every input.
 
     >>> encoder, head, probe = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 2)
     >>> features = encoder(torch.randn(4, 3))

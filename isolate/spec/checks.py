@@ -1,4 +1,5 @@
-"""The checks a spec runs while training: params, reach, drift, flags, optimizers and ranks.
+"""The checks a spec runs while training: params, reach, drift, flags, optimizers and ranks
+(the named losses' check is :mod:`isolate.spec.loss_checks`).
 
 Each check returns the violations it found as typed errors and never raises by itself; the
 engine decides whether to raise or warn. Tensors are looked up by name at every check, so a
@@ -14,9 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from isolate._autograd import walk
 from isolate._checkpointing import shared_reruns
-from isolate._sharding import check_leaves
 from isolate._text import shown
 from isolate._walker import Names
 from isolate.cutoff import cut_off_parameters
@@ -24,17 +23,15 @@ from isolate.drift import Drift, Snapshot, snapshot
 from isolate.errors import (
     CutOffError,
     DriftError,
-    GradientLeakError,
     IsolationError,
-    IsolationTypeError,
     SpecError,
     StaleCompileError,
 )
 from isolate.exposure import optimizer_exposure
-from isolate.reachability import assert_isolated
-from isolate.spec.branches import RECORD_LIMIT, Branches
+from isolate.spec.branches import Branches
 from isolate.spec.contract_checks import ContractWatch
 from isolate.spec.identity import check_replaced
+from isolate.spec.loss_checks import check_isolation
 from isolate.spec.optimizers import find
 from isolate.spec.plan import Plan
 from isolate.spec.ranks import check_ranks, world_size
@@ -44,10 +41,8 @@ __all__ = [
     "Verification",
     "check_drift",
     "check_flags",
-    "check_losses",
     "check_optimizers",
     "check_reach",
-    "checked_losses",
     "run_checks",
     "watch",
 ]
@@ -317,134 +312,6 @@ def check_optimizers(
     ]
 
 
-def check_losses(
-    plan: Plan,
-    frozen: Mapping[str, nn.Parameter],
-    losses: Mapping[str, torch.Tensor],
-    branch_inputs: Mapping[str, Sequence[torch.Tensor]],
-    when: str,
-    caller: str,
-) -> tuple[dict[str, int], list[IsolationError]]:
-    """Check that each named loss reaches no protected parameter.
-
-    Protected are the frozen parameters, and ``protect[loss]`` where given, else everything
-    upstream of the inputs the ``detach`` branches received.
-    """
-    names = Names.of(plan.model)
-    upstream: dict[str, nn.Parameter] = {}
-    if plan.protect is None:
-        inputs = [t for ts in branch_inputs.values() for t in ts]
-        if inputs:
-            leaves = _walk(inputs, plan.model, caller)
-            upstream = {n: p for n, p in names.params.items() if id(p) in leaves}
-    counts: dict[str, int] = {}
-    violations: list[IsolationError] = []
-    for loss_name, loss in losses.items():
-        reached = _walk([loss], plan.model, caller)
-        bypassed = _bypassed(plan, names, branch_inputs, loss_name, reached, when, caller)
-        violations += bypassed
-        protected = dict(frozen)
-        protected.update(upstream if plan.protect is None else plan.protect.get(loss_name, {}))
-        detached = [w.name for w in plan.wraps if w.kind == "detach"]
-        if not protected and detached and not bypassed:
-            raise SpecError(
-                f"{caller}.verify(): {when}, loss {loss_name!r} has no parameter to be kept "
-                f"from: the detach branches {detached} did not run with inputs that require "
-                f"grad, nothing is frozen and protect does not name {loss_name!r}, so the "
-                f"check would pass whatever the loss reaches. Compute it through the detach "
-                f"branch in this step's forward, or name what it must not reach with "
-                f"protect={{{loss_name!r}: [...]}}"
-            )
-        counts[loss_name] = len(protected)
-        leaked = {n: p for n, p in protected.items() if id(p) in reached}
-        if not leaked:
-            continue
-        try:
-            assert_isolated(loss, leaked, model=plan.model)
-        except GradientLeakError as error:
-            why = (
-                f"protect[{loss_name!r}]"
-                if plan.protect is not None and loss_name in plan.protect
-                else "frozen, or upstream of a detach branch"
-            )
-            violations.append(
-                GradientLeakError(
-                    f"{caller}: {when}, loss {loss_name!r} reaches {len(leaked)} protected "
-                    f"parameters ({why}) {shown(leaked)}:\n{error}"
-                )
-            )
-    return counts, violations
-
-
-def _walk(
-    outputs: Sequence[torch.Tensor], model: nn.Module, caller: str
-) -> dict[int, torch.Tensor]:
-    """The leaves the outputs reach, FSDP2 temporaries mapped to their parameters."""
-    found = walk(outputs, caller)
-    check_leaves(found, [model], caller)
-    return found.leaves
-
-
-def _bypassed(
-    plan: Plan,
-    names: Names,
-    branch_inputs: Mapping[str, Sequence[torch.Tensor]],
-    loss_name: str,
-    reached: Mapping[int, torch.Tensor],
-    when: str,
-    caller: str,
-) -> list[IsolationError]:
-    out: list[IsolationError] = []
-    for w in plan.wraps:
-        if w.kind != "detach" or w.name in branch_inputs:
-            continue
-        inside = [names.name(p) for p in w.child.parameters() if id(p) in reached]
-        if inside:
-            out.append(
-                GradientLeakError(
-                    f"{caller}: {when}, loss {loss_name!r} reaches the parameters of the detach "
-                    f"branch {w.name!r} {shown(inside)}, but its Detached wrapper did not run "
-                    f"with inputs that require grad: the forward calls the branch some other "
-                    f"way (an alias, or model.{w.name}.module(...)), so its inputs are not "
-                    f"detached. Call the branch as model.{w.name}(...)"
-                )
-            )
-    return out
-
-
-def checked_losses(
-    plan: Plan, losses: object, overflow: set[str], caller: str
-) -> Mapping[str, torch.Tensor]:
-    """``losses`` if it is a dict of name -> tensor that covers ``protect``, else a typed error.
-
-    Raises:
-        IsolationTypeError: ``losses`` is not a dict of loss name -> loss tensor.
-        SpecError: ``protect`` names a loss that is missing, or a branch ran more often than
-            its inputs could be recorded (the check could not see what is upstream of it).
-    """
-    if not isinstance(losses, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items()
-    ):
-        raise IsolationTypeError(
-            f"{caller}.verify(): losses must be a dict of loss name -> loss tensor, got {losses!r}"
-        )
-    if plan.protect is not None:
-        missing = sorted(set(plan.protect) - set(losses))
-        if missing:
-            raise SpecError(
-                f"{caller}: protect names the losses {missing}, but verify() got "
-                f"{sorted(losses)}; pass every loss that protect names"
-            )
-    if overflow:
-        raise SpecError(
-            f"{caller}: the detach branches {sorted(overflow)} ran more than {RECORD_LIMIT} "
-            f"times since the last step(), so their inputs were not all recorded and the check "
-            f"cannot see what is upstream of them; call handle.step(epoch=..., step=...) at "
-            f"the start of every training step"
-        )
-    return losses
-
-
 def _check_contracts(
     contracts: ContractWatch,
     losses: Mapping[str, torch.Tensor] | None,
@@ -485,12 +352,11 @@ def run_checks(
     # The checks below walk the same graph several times: each checkpointed segment is
     # re-run once for all of them.
     with shared_reruns():
-        counts: dict[str, int] = {}
-        if "losses" in checks and losses is not None:
-            named = checked_losses(plan, losses, branches.overflow, caller)
-            counts, leaks = check_losses(plan, frozen, named, branches.inputs, when, caller)
-            found += leaks
         total, expected_unused = reach
+        counts: dict[str, int] = {}
+        if "losses" in checks:
+            counts, leaks = check_isolation(plan, frozen, losses, total, branches, when, caller)
+            found += leaks
         reached = 0
         if "reach" in checks and total is not None:
             reached, cut = check_reach(plan.model, total, expected_unused, when, caller)

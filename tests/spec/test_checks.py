@@ -249,3 +249,30 @@ def test_a_loss_with_nothing_to_be_kept_from_is_refused() -> None:
         # Through the branch, the trunk is upstream of its input: checked, and isolated.
         _, aux = model(torch.randn(5, 4))
         assert handle.verify({"aux": aux.sum()}).losses == {"aux": 6}  # the trunk's 6 tensors
+
+
+def test_a_branch_called_around_its_wrapper_is_found_from_the_total_loss() -> None:
+    model = Net()
+    with IsolationSpec(detach=["aux"]).applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        features = model.trunk(torch.randn(5, 4))
+        main, aux = model.head(features).sum(), model.aux.module(features).sum()
+        # No named loss: the total is the one sign that the branch's input was not detached.
+        with pytest.raises(
+            GradientLeakError,
+            match=r"step 0, the total loss reaches the parameters of the detach branch 'aux' "
+            r"\['aux.weight', 'aux.bias'\], but its Detached wrapper did not run",
+        ):
+            handle.verify(total=main + aux)
+        # Named as well, it is reported once, by the named loss.
+        found = handle.verify({"aux": aux}, total=main + aux, on_violation="warn")
+        assert len(found.violations) == 1
+        assert "step 0, loss 'aux' reaches the parameters of the detach" in found.violations[0]
+        # On a step that does not record the branches, a wrapper that ran is no false alarm.
+        handle.step(epoch=0, step=1, record=False)
+        features = model.trunk(torch.randn(5, 4))
+        handle.verify(total=model.head(features).sum() + model.aux(features).sum())
+        # Through the wrapper, the total loss is fine.
+        handle.step(epoch=0, step=2)
+        features = model.trunk(torch.randn(5, 4))
+        handle.verify(total=model.head(features).sum() + model.aux(features).sum())
