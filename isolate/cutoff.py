@@ -66,26 +66,32 @@ class _Call:
         )
 
 
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The tensors in a module's inputs or outputs, as far as plain containers go.
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's inputs or outputs, as far as plain containers go, in order.
 
     Lenient on purpose, unlike ``isolate._tree``: the trace runs inside the user's forward
     and must never break it. What it misses only makes a reason vaguer; which parameters
-    are cut off comes from the graph walk alone.
+    are cut off comes from the graph walk alone. Iterative, each container once: any depth,
+    and a container that holds itself ends.
     """
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 8:
-        return
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name, None), depth + 1)
+    stack, seen = [obj], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+            continue
+        if id(item) in seen:
+            continue
+        if isinstance(item, (list, tuple)):
+            inside = list(item)
+        elif isinstance(item, Mapping):
+            inside = list(item.values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            inside = [getattr(item, f.name, None) for f in dataclasses.fields(item)]
+        else:
+            continue
+        seen.add(id(item))
+        stack.extend(reversed(inside))
 
 
 def _enclosing_checkpoint() -> tuple[Node | None, bool]:

@@ -4,6 +4,7 @@ whose output was dropped, a module that returns its own parameter, and the repor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,8 +13,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isolate.cutoff import CutOff, cut_off_parameters, trace_forward
-from isolate.errors import IsolationTypeError
+from isolate.cutoff import CutOff, assert_reached, cut_off_parameters, trace_forward
+from isolate.errors import BlindSpotError, IsolationTypeError, ShardedGraphError
+from tests.toolkit.test_sharding import FlatViews
 
 
 class DroppedCheckpoint(nn.Module):
@@ -85,13 +87,15 @@ class Batch:
 
 
 class Mixer(nn.Module):
-    """Reads its input from a dict, a dataclass or a keyword argument."""
+    """Reads its input from a dict, a dataclass or a keyword argument, inside any lists."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(3, 1)
 
     def forward(self, batch: Any = None, *, h: torch.Tensor | None = None) -> torch.Tensor:
+        while isinstance(batch, list):
+            batch = batch[0]
         if isinstance(batch, dict):
             h = batch["h"]
         elif isinstance(batch, Batch):
@@ -121,13 +125,14 @@ WRAPS = {
     "dict": lambda x: (({"h": x},), {}),
     "dataclass": lambda x: ((Batch(x),), {}),
     "keyword": lambda x: ((), {"h": x}),
+    "deep": lambda x: ((functools.reduce(lambda inner, _: [inner], range(16), {"h": x}),), {}),
 }
 
 
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_the_graph_restarts_where_an_input_without_graph_enters(wrap: str) -> None:
-    """An input that requires grad, passed in a dict, a dataclass or by keyword, carries a
-    graph: that module is not where the loss's graph starts again."""
+    """An input that requires grad, passed in a dict, a dataclass, by keyword or nested in 16
+    lists, carries a graph: that module is not where the loss's graph starts again."""
     model = Branches(WRAPS[wrap])
     with trace_forward(model) as trace:
         loss = model(torch.randn(2, 3).requires_grad_())
@@ -168,3 +173,34 @@ def test_a_trace_of_the_wrong_type_is_named() -> None:
         IsolationTypeError, match=r"isolate\.cutoff\.trace_forward\(model\), got dict$"
     ):
         cut_off_parameters(loss, model, trace={})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# What the cut-off audits cannot see, they refuse in their own name
+
+
+def test_a_segment_that_cannot_be_re_run_is_refused_in_the_callers_name() -> None:
+    lin = nn.Linear(3, 3)
+    out = checkpoint(lin, torch.randn(2, 3, requires_grad=True), use_reentrant=True).sum()
+    out.backward()  # frees the segment's saved arguments
+    with pytest.raises(RuntimeError):  # brute force cannot answer either
+        torch.autograd.grad(out, lin.weight)
+    for audit, caller in (
+        (lambda: cut_off_parameters(out, lin), r"cut_off_parameters\(\)"),
+        (lambda: assert_reached(out, lin), r"assert_reached\(\)"),
+    ):
+        with pytest.raises(BlindSpotError, match=rf"^{caller}: cannot re-run .* saved arguments"):
+            audit()
+
+
+def test_hidden_leaves_are_refused_in_the_callers_name() -> None:
+    model = FlatViews(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)))
+    loss = model(torch.randn(2, 3)).sum()
+    # Brute force: the backward writes to the hidden leaf, never to the registered parameters.
+    assert torch.autograd.grad(loss, list(model.parameters()), allow_unused=True) == (None,) * 4
+    for audit, caller in (
+        (lambda: cut_off_parameters(loss, model), r"cut_off_parameters\(\)"),
+        (lambda: assert_reached(loss, model), r"assert_reached\(\)"),
+    ):
+        with pytest.raises(ShardedGraphError, match=rf"^{caller}: the graph's leaves"):
+            audit()
