@@ -16,13 +16,17 @@ Each folder keeps mutmut's cache, so a second run resumes where the first stoppe
     python .ci/mutation.py survivors isolate/cutoff.py  # the diff of every survivor
     python .ci/mutation.py table                      # verdicts of every module run so far
 
-A stratified random sample over the whole package (``k`` mutants drawn per module with a
-fixed seed, run in one working folder, ``.mutation/sample/``, traced once against the
-package's whole test selection):
+A stratified random sample over the whole package, in rounds (``ROUNDS``): each round draws
+``k`` mutants per module with its own seed from the names no earlier round drew, runs them in
+its own folder (``.mutation/sample/``, ``.mutation/sample2/``, ...) traced once against the
+package's whole test selection, and keeps its draw, mutmut's verdicts and the survivors'
+verdicts given by hand in ``.ci/mutation_sample.json``:
 
-    python .ci/mutation.py sample --k 3 --list        # the names drawn; nothing is run
-    python .ci/mutation.py sample --k 3 --max-children 1 isolate/_sharding.py ...
-    python .ci/mutation.py sample-table --k 3         # per module: verdicts, Wilson interval
+    python .ci/mutation.py sample --round 2 --list    # the names drawn; nothing is run
+    python .ci/mutation.py sample --round 2 --save    # record the draw and verdicts so far
+    python .ci/mutation.py sample --round 2 --max-children 1 --pending   # run what is left
+    python .ci/mutation.py sample --round 2 --show    # the diff of every survivor
+    python .ci/mutation.py sample-table               # each round, then all rounds together
 
 ``run`` and ``sample`` take ``--max-children N`` (default 2) and run mutmut under ``nice``.
 """
@@ -38,6 +42,7 @@ import random
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +122,31 @@ TESTS: dict[str, list[str]] = {
 }
 
 
-# The sample's default draw; a different seed or k is a different sample (and folder cache).
-SEED = 20261201
-K = 3
+@dataclass(frozen=True)
+class Round:
+    """One round of the sample: ``k`` more mutants per module, drawn with ``seed`` from the
+    names no earlier round drew; a module that had fewer draws than ``k`` per earlier round
+    (a module added since) draws up to ``k`` per round so far."""
+
+    number: int
+    seed: int
+    k: int
+
+    @property
+    def folder(self) -> Path:
+        """Where the round runs: ``.mutation/sample/``, ``.mutation/sample2/``, ..."""
+        return WORK / ("sample" if self.number == 1 else f"sample{self.number}")
+
+
+# A different seed or k is a different sample (and folder cache); a round's draw is kept in
+# SAMPLE_VERDICTS once recorded, so later changes to the tree do not move it.
+ROUNDS = (Round(1, 20261201, 3), Round(2, 20261202, 3))
+
+# The draw, mutmut's verdicts and the verdicts given by hand of each round (``rounds``).
+SAMPLE_VERDICTS = ".ci/mutation_sample.json"
 
 # Test folders the sample adds to ``[tool.mutmut]``'s selection, so that the integrations
 # it leaves out (peft, transformers) are traced too.
-# The verdicts given by hand to the sample's survivors (see ``hand_verdicts``).
-SAMPLE_VERDICTS = ".ci/mutation_sample.json"
-
 SAMPLE_EXTRA_TESTS = ["tests/peft/test_spec.py", "tests/transformers"]
 
 # The order in which the sample's modules are run (a prefix of a path; the rest follow).
@@ -196,42 +217,54 @@ def priority(module: str) -> tuple[int, str]:
     return rank, module
 
 
-def draw(k: int, seed: int) -> dict[str, list[str]]:
-    """``k`` mutants of every module (all of them if it has fewer), in run order.
+def module_of(name: str) -> str:
+    """The module of a mutant's name: ``isolate.spec.clock.x_ramp__mutmut_3`` ->
+    ``isolate/spec/clock.py``."""
+    parts = name.split(".")
+    at = next(i for i, part in enumerate(parts) if part.startswith(("x_", "xǁ")))
+    return "/".join(parts[:at]) + ".py"
 
-    Each module draws from its own generator, seeded with ``seed`` and its path, so the
-    sample of one module does not change when another module gains or loses mutants.
+
+def by_module(names: list[str]) -> dict[str, list[str]]:
+    """Mutants' names grouped by module, modules in run order (``PRIORITY``)."""
+    grouped: dict[str, list[str]] = {}
+    for name in names:
+        grouped.setdefault(module_of(name), []).append(name)
+    return dict(sorted(grouped.items(), key=lambda item: priority(item[0])))
+
+
+def drawn(rnd: Round) -> dict[str, list[str]]:
+    """The round's mutants by module: the draw recorded in ``SAMPLE_VERDICTS`` (a draw made
+    on an older tree stays the sample its verdicts are about) or, if none, ``draw(rnd)``."""
+    names = record(rnd).get("drawn")
+    return by_module(names) if names else draw(rnd)
+
+
+def draw(rnd: Round) -> dict[str, list[str]]:
+    """The round's draw on the current tree, without replacement across rounds.
+
+    Each module draws from its own generator, seeded with the round's seed and its path, so
+    the sample of one module does not change when another module gains or loses mutants.
     """
-    digest = hashlib.sha256(str(seed).encode())
+    earlier = sorted(n for r in ROUNDS[: rnd.number - 1] for ns in drawn(r).values() for n in ns)
+    taken = by_module(earlier)
+    digest = hashlib.sha256(f"{rnd.seed}:{rnd.k}:{earlier}".encode())
     for module in modules():
         digest.update(module.encode() + (ROOT / module).read_bytes())
-    cache = WORK / "sample" / f"draw-{k}-{digest.hexdigest()[:16]}.json"
+    cache = rnd.folder / f"draw-{rnd.k}-{digest.hexdigest()[:16]}.json"
     if cache.exists():
         cached: dict[str, list[str]] = json.loads(cache.read_text())
         return cached
     sample = {}
     for module in sorted(modules(), key=priority):
-        names = sorted(mutant_names(module))
-        if names:
-            rng = random.Random(f"{seed}:{module}")
-            sample[module] = sorted(rng.sample(names, min(k, len(names))))
+        names = sorted(set(mutant_names(module)).difference(earlier))
+        want = rnd.k * rnd.number - len(taken.get(module, []))
+        if names and want > 0:
+            rng = random.Random(f"{rnd.seed}:{module}")
+            sample[module] = sorted(rng.sample(names, min(want, len(names))))
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(sample, indent=1))
     return sample
-
-
-def recorded(k: int, seed: int) -> dict[str, list[str]] | None:
-    """The draw kept in ``SAMPLE_VERDICTS`` for this ``k`` and ``seed``, by module (a draw
-    made on an older tree stays the sample its verdicts are about), or None."""
-    hand = hand_verdicts()
-    if hand.get("k") != k or hand.get("seed") != seed:
-        return None
-    sample: dict[str, list[str]] = {}
-    for name in hand["drawn"]:
-        parts = name.split(".")
-        at = next(i for i, part in enumerate(parts) if part.startswith(("x_", "xǁ")))
-        sample.setdefault("/".join(parts[:at]) + ".py", []).append(name)
-    return dict(sorted(sample.items(), key=lambda item: priority(item[0])))
 
 
 def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -248,12 +281,16 @@ def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def folder(module: str) -> Path:
+    """``.mutation/<module>/``, where one module's mutants run (``isolate.cutoff``)."""
+    return WORK / module.removesuffix(".py").replace("/", ".")
+
+
 def workdir(module: str, *, only: list[str] | None = None, tests: list[str] | None = None) -> Path:
     """``.mutation/<module>/`` set up for mutmut: the package and the tests linked in, and a
     pyproject.toml whose ``[tool.mutmut]`` names this module and its tests (or, for the
     folder ``sample``, the modules ``only`` and the tests ``tests``)."""
-    slug = module.removesuffix(".py").replace("/", ".")
-    where = WORK / slug
+    where = folder(module)
     only = only if only is not None else [module]
     tests = tests if tests is not None else tests_for(module)
     where.mkdir(parents=True, exist_ok=True)
@@ -278,17 +315,18 @@ def workdir(module: str, *, only: list[str] | None = None, tests: list[str] | No
     return where
 
 
-def tally(module: str) -> dict[str, int] | None:
-    """The module's verdicts so far, by mutmut status, or None if it never ran."""
+def exit_codes(folder: Path, module: str) -> dict[str, int | None]:
+    """mutmut's exit code of each of the module's mutants in ``folder`` (None: not run)."""
+    meta = folder / "mutants" / f"{module}.meta"
+    return json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+
+
+def tally(module: str) -> dict[str, int]:
+    """The module's verdicts so far, by mutmut status ({} if it never ran)."""
     from mutmut.stats import status_by_exit_code
 
-    slug = module.removesuffix(".py").replace("/", ".")
-    meta = WORK / slug / "mutants" / f"{module}.meta"
-    if not meta.exists():
-        return None
-    codes = json.loads(meta.read_text())["exit_code_by_key"]
     counts: dict[str, int] = {}
-    for code in codes.values():
+    for code in exit_codes(folder(module), module).values():
         status = status_by_exit_code[code]
         counts[status] = counts.get(status, 0) + 1
     return counts
@@ -296,10 +334,7 @@ def tally(module: str) -> dict[str, int] | None:
 
 def survivors(module: str) -> list[str]:
     """The names of the module's surviving mutants."""
-    slug = module.removesuffix(".py").replace("/", ".")
-    meta = WORK / slug / "mutants" / f"{module}.meta"
-    codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
-    return sorted(name for name, code in codes.items() if code == 0)
+    return sorted(name for name, code in exit_codes(folder(module), module).items() if code == 0)
 
 
 def mutmut(module: str, *args: str, where: Path | None = None, niceness: int = 5) -> int:
@@ -310,32 +345,68 @@ def mutmut(module: str, *args: str, where: Path | None = None, niceness: int = 5
     return subprocess.call(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def sample_dir(sample: dict[str, list[str]]) -> Path:
-    """``.mutation/sample/``: every sampled module mutated, traced once against the package's
+def sample_dir(rnd: Round, sample: dict[str, list[str]]) -> Path:
+    """The round's folder: every sampled module mutated, traced once against the package's
     whole test selection (``[tool.mutmut]``'s plus ``SAMPLE_EXTRA_TESTS``)."""
     with (ROOT / "pyproject.toml").open("rb") as f:
         selection = tomllib.load(f)["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]
-    return workdir("sample", only=sorted(sample), tests=[*selection, *SAMPLE_EXTRA_TESTS])
+    tests = [*selection, *SAMPLE_EXTRA_TESTS]
+    return workdir(rnd.folder.name, only=sorted(sample), tests=tests)
 
 
-def sample_verdicts(sample: dict[str, list[str]]) -> dict[str, dict[str, str]]:
-    """mutmut's verdict of each sampled mutant so far, by module ("not checked" if not run)."""
+def statuses(rnd: Round, sample: dict[str, list[str]]) -> dict[str, dict[str, str]]:
+    """mutmut's verdict of each of the round's mutants, by module: read in the round's folder,
+    or as recorded in ``SAMPLE_VERDICTS`` where the folder has none ("not checked")."""
     from mutmut.stats import status_by_exit_code
 
+    saved = record(rnd).get("status", {})
     verdicts = {}
     for module, names in sample.items():
-        meta = WORK / "sample" / "mutants" / f"{module}.meta"
-        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
-        verdicts[module] = {name: status_by_exit_code[codes.get(name)] for name in names}
+        codes = exit_codes(rnd.folder, module)
+        found = {name: status_by_exit_code[codes.get(name)] for name in names}
+        verdicts[module] = {
+            name: saved.get(name, "not checked") if status == "not checked" else status
+            for name, status in found.items()
+        }
     return verdicts
 
 
-def sample_table(sample: dict[str, list[str]], hand: dict[str, Any]) -> str:
-    """A Markdown table of the sample: per module, mutmut's verdicts, the survivors' verdicts
+def tree() -> str:
+    """The commit the working tree is on, abbreviated."""
+    command = ["git", "rev-parse", "--short=7", "HEAD"]
+    return subprocess.check_output(command, cwd=ROOT, text=True).strip()
+
+
+def save(rnd: Round, sample: dict[str, list[str]]) -> None:
+    """Record the round's draw (and the tree it was drawn on, if new) and mutmut's verdicts so
+    far in ``SAMPLE_VERDICTS``, keeping the verdicts given by hand."""
+    path = ROOT / SAMPLE_VERDICTS
+    kept = json.loads(path.read_text())["rounds"] if path.exists() else []
+    rounds = {(r["seed"], r["k"]): r for r in kept}
+    old = rounds.get((rnd.seed, rnd.k), {})
+    found = {n: v for vs in statuses(rnd, sample).values() for n, v in vs.items()}
+    rounds[rnd.seed, rnd.k] = {
+        "seed": rnd.seed,
+        "k": rnd.k,
+        "tree": old.get("tree", tree()),
+        "mutants": old.get("mutants") or count(),
+        "drawn": [name for names in sample.values() for name in names],
+        "status": {n: v for n, v in found.items() if v != "not checked"},
+        **{key: old.get(key, {}) for key in HAND},
+    }
+    ordered = sorted(rounds.values(), key=lambda r: r["seed"])
+    path.write_text(json.dumps({"rounds": ordered}, indent=1, ensure_ascii=False) + "\n")
+
+
+def sample_table(
+    verdicts: dict[str, dict[str, str]], hand: dict[str, dict[str, str]], sizes: dict[str, int]
+) -> str:
+    """A Markdown table of a sample: per module, mutmut's verdicts, the survivors' verdicts
     given by hand (``hand``, read from ``SAMPLE_VERDICTS``), and the 95% Wilson interval of
-    the suite's kill rate over the mutants that ran and are not equivalent. A timeout counts
-    as killed; a mutant that no test of mutmut's selection calls counts as survived, and so
-    does one that mutmut saw killed only by a test added for it."""
+    the suite's kill rate over the mutants that ran and are not equivalent; then the
+    package's rate weighted by ``sizes``, mutants per module (``weighted``). A timeout
+    counts as killed; a mutant that no test of mutmut's selection calls counts as survived,
+    and so does one that mutmut saw killed only by a test added for it."""
     rows = [
         "| Module | Sampled | Killed | Survived | No tests | Timeout | Not run | Equivalent"
         " | Killed outside mutmut | Killed by added tests | Suite's kill rate (95% Wilson) |",
@@ -343,28 +414,50 @@ def sample_table(sample: dict[str, list[str]], hand: dict[str, Any]) -> str:
     ]
     keys = ("n", "killed", "survived", "no tests", "other", "not", "eq", "outside", "added")
     total = dict.fromkeys(keys, 0)
-    for module, verdicts in sample_verdicts(sample).items():
+    rates = {}
+    for module, found in verdicts.items():
         row = dict.fromkeys(keys, 0)
-        row["n"] = len(verdicts)
-        for name, status in verdicts.items():
+        row["n"] = len(found)
+        for name, status in found.items():
             if status == "not checked":
                 row["not"] += 1
                 continue
-            if status == "killed" and name in hand.get("added", {}):
+            if status == "killed" and name in hand["added"]:
                 status = "survived"  # mutmut ran it after the test that kills it was added
             row[status if status in ("killed", "survived", "no tests") else "other"] += 1
             if status in ("survived", "no tests"):
-                for key, verdict in (
-                    ("eq", "equivalent"),
-                    ("outside", "outside"),
-                    ("added", "added"),
-                ):
-                    row[key] += name in hand.get(verdict, {})
+                for key, verdict in zip(("eq", "outside", "added"), HAND, strict=True):
+                    row[key] += name in hand[verdict]
         for key in keys:
             total[key] += row[key]
         rows.append(f"| `{module}` | {rate_cells(row)}")
+        caught = row["killed"] + row["other"]
+        rates[module] = (caught, caught + row["survived"] + row["no tests"] - row["eq"])
     rows.append(f"| all | {rate_cells(total)}")
+    estimate, spread = weighted(rates, sizes)
+    rows.append(f"\nWeighted by mutants per module: {estimate:.2f} ± {spread:.2f}")
     return "\n".join(rows)
+
+
+def weighted(rates: dict[str, tuple[int, int]], sizes: dict[str, int]) -> tuple[float, float]:
+    """The package's kill rate as a stratified estimate: each module's rate ``caught / n``
+    weighted by its number of mutants (small modules are over-represented in the sample),
+    and the half-width of a 95% normal interval, each module's variance ``p (1 - p) / n``
+    with ``p = (caught + 2) / (n + 4)`` (never 0 when a module's mutants are all caught).
+    Modules where nothing ran are left out of both.
+
+    >>> [round(x, 3) for x in weighted({"a": (3, 3), "b": (1, 2)}, {"a": 300, "b": 100})]
+    [0.875, 0.421]
+    """
+    ran = {module: r for module, r in rates.items() if r[1] and sizes.get(module)}
+    total = sum(sizes[module] for module in ran)
+    estimate = variance = 0.0
+    for module, (caught, n) in ran.items():
+        share = sizes[module] / total
+        adjusted = (caught + 2) / (n + 4)
+        estimate += share * caught / n
+        variance += share * share * adjusted * (1 - adjusted) / n
+    return estimate, 1.959964 * math.sqrt(variance)
 
 
 def rate_cells(row: dict[str, int]) -> str:
@@ -377,12 +470,72 @@ def rate_cells(row: dict[str, int]) -> str:
     return " | ".join(map(str, counts)) + f" | {rate} |"
 
 
-def hand_verdicts() -> dict[str, Any]:
-    """The sampled survivors' verdicts given by hand (``SAMPLE_VERDICTS``): ``equivalent``
-    (name -> why), ``added`` (name -> the test added that kills it), ``outside`` (name -> the
-    test outside mutmut's selection that kills it: dynamo, child processes)."""
+# The verdicts given by hand to a round's survivors: ``equivalent`` (name -> why), ``outside``
+# (name -> the test outside mutmut's selection that kills it: dynamo, slow, child processes),
+# ``added`` (name -> the test added that kills it).
+HAND = ("equivalent", "outside", "added")
+
+
+def record(rnd: Round) -> dict[str, Any]:
+    """The round as recorded in ``SAMPLE_VERDICTS`` ({} if it is not)."""
     path = ROOT / SAMPLE_VERDICTS
-    return json.loads(path.read_text()) if path.exists() else {}
+    rounds = json.loads(path.read_text())["rounds"] if path.exists() else []
+    return next((r for r in rounds if (r["seed"], r["k"]) == (rnd.seed, rnd.k)), {})
+
+
+def sizes(rnd: Round) -> dict[str, int]:
+    """Mutants per module of the tree the round was drawn on (of the current tree if it was
+    not recorded)."""
+    return record(rnd).get("mutants") or count()
+
+
+def hand_verdicts(rounds: tuple[Round, ...]) -> dict[str, dict[str, str]]:
+    """The verdicts given by hand to the survivors of ``rounds``, by kind (``HAND``)."""
+    return {key: {n: v for r in rounds for n, v in record(r).get(key, {}).items()} for key in HAND}
+
+
+def print_tables(rounds: list[Round]) -> None:
+    """``sample_table`` of each round, then of all of them together (weighted by the
+    mutants per module of the last round's tree)."""
+    combined: dict[str, dict[str, str]] = {}
+    for rnd in rounds:
+        found = statuses(rnd, drawn(rnd))
+        print(f"Round {rnd.number}: seed {rnd.seed}, k {rnd.k}, tree {record(rnd).get('tree')}")
+        print(sample_table(found, hand_verdicts((rnd,)), sizes(rnd)) + "\n")
+        for module, verdicts in found.items():
+            combined.setdefault(module, {}).update(verdicts)
+    if len(rounds) > 1:
+        print(f"Rounds {', '.join(str(rnd.number) for rnd in rounds)} together")
+        combined = dict(sorted(combined.items(), key=lambda item: priority(item[0])))
+        print(sample_table(combined, hand_verdicts(tuple(rounds)), sizes(rounds[-1])))
+
+
+def sample_command(rnd: Round, args: argparse.Namespace) -> int:
+    """``sample``: list, record, show or run the round's mutants (``main``'s options)."""
+    sample = drawn(rnd)
+    where = sample_dir(rnd, sample)
+    if args.save:
+        save(rnd, sample)
+        return 0
+    found = statuses(rnd, sample)
+    chosen = [
+        name
+        for module, names in sample.items()
+        if not args.modules or any(module.startswith(m) for m in args.modules)
+        for name in names
+        if not args.pending or found[module][name] == "not checked"
+    ]
+    if args.list:
+        print("\n".join(chosen))
+        return 0
+    if args.show:
+        for verdicts in found.values():
+            for name, status in verdicts.items():
+                if name in chosen and status in ("survived", "no tests"):
+                    mutmut("sample", "show", name, where=where)
+        return 0
+    run_args = ("run", "--max-children", str(args.max_children), *chosen)
+    return mutmut("sample", *run_args, where=where, niceness=10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,45 +555,21 @@ def main(argv: list[str] | None = None) -> int:
     diffs.add_argument("module")
     sample = sub.add_parser("sample", help="run k mutants drawn from every module")
     sample.add_argument("modules", nargs="*", help="only these modules' draws (or prefixes)")
-    sample.add_argument("--k", type=int, default=K, help=f"mutants per module (default {K})")
-    sample.add_argument("--seed", type=int, default=SEED)
+    sample.add_argument("--round", type=int, default=len(ROUNDS), help="default: the last")
     sample.add_argument("--max-children", type=int, default=1)
     sample.add_argument("--list", action="store_true", help="print the names; run nothing")
     sample.add_argument("--pending", action="store_true", help="only those not run yet")
     sample.add_argument("--show", action="store_true", help="the diff of every sampled survivor")
+    sample.add_argument("--save", action="store_true", help="record the draw and the verdicts")
     table = sub.add_parser("sample-table", help="per module: the sample's verdicts")
-    table.add_argument("--k", type=int, default=K)
-    table.add_argument("--seed", type=int, default=SEED)
+    table.add_argument("--round", type=int, help="only this round (default: each, then all)")
     args = parser.parse_args(argv)
 
-    if args.command in ("sample", "sample-table"):
-        drawn = recorded(args.k, args.seed) or draw(args.k, args.seed)
-        where = sample_dir(drawn)
-        if args.command == "sample-table":
-            print(f"seed {args.seed}, k {args.k}")
-            print(sample_table(drawn, hand_verdicts()))
-            return 0
-        chosen = [
-            name
-            for module, names in drawn.items()
-            if not args.modules or any(module.startswith(m) for m in args.modules)
-            for name in names
-        ]
-        if args.pending:
-            status_of = {n: v for vs in sample_verdicts(drawn).values() for n, v in vs.items()}
-            chosen = [name for name in chosen if status_of[name] == "not checked"]
-        if args.list:
-            print("\n".join(chosen))
-            return 0
-        if args.show:
-            for statuses in sample_verdicts(drawn).values():
-                for name, status in statuses.items():
-                    if name in chosen and status in ("survived", "no tests"):
-                        mutmut("sample", "show", name, where=where)
-            return 0
-        run_args = ("run", "--max-children", str(args.max_children), *chosen)
-        return mutmut("sample", *run_args, where=where, niceness=10)
-
+    if args.command == "sample-table":
+        print_tables([ROUNDS[args.round - 1]] if args.round else list(ROUNDS))
+        return 0
+    if args.command == "sample":
+        return sample_command(ROUNDS[args.round - 1], args)
     if args.command == "count":
         counts = count()
         for module, n in counts.items():
