@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from isolate.certificates import certify
-from isolate.certificates.merge import check_merge
+from isolate.certificates.merge import MergeCheck, check_merge
 from isolate.certificates.peft import LoraConfig
 from isolate.errors import CertificateError
 from tests.certificates._data import (
@@ -89,6 +89,7 @@ def test_an_adapter_that_never_trained_is_named(tmp_path: Path) -> None:
     cert = _certify(write_lora(tmp_path, merged(lora_base(), adapter), adapter))
     [fail] = cert.failures  # type: ignore[attr-defined]
     assert (fail.key, fail.finding) == (f"{TARGET}.weight", "adapter never trained")
+    assert fail.detail == f"base_model.model.{TARGET}.lora_B.weight is all zeros (LoRA starts B at 0)"
 
 
 def test_trainable_token_rows_and_the_config_alone(tmp_path: Path) -> None:
@@ -128,6 +129,22 @@ def test_merge_layouts(layout: str) -> None:
     assert good.ok and good.fitted_scale == pytest.approx(scale)
     off = check_merge(w, w + delta, a, b, scale=scale, transposed=transposed, ulps=2)
     assert not off.ok and off.fitted_scale == pytest.approx(1.0)
+
+
+def test_a_merged_value_where_base_and_delta_are_zero_must_be_zero() -> None:
+    zero, a, b = torch.zeros(3, 2), torch.zeros(R, 2), torch.zeros(3, R)
+    merged = zero.clone()
+    merged[1, 0] = 1e-30  # far below float32's eps, but not the exact 0
+    off = check_merge(zero, merged, a, b, scale=1.0, transposed=False, ulps=2)
+    assert not off.ok and off.bad_rows == [1] and off.bad_count == 1
+    exact = check_merge(zero, zero.clone(), a, b, scale=1.0, transposed=False, ulps=2)
+    assert exact.ok and exact.worst == 0.0
+
+
+def test_an_empty_weight_is_merged_with_no_error() -> None:
+    empty, a, b = torch.zeros(3, 0), torch.zeros(R, 0), torch.zeros(3, R)
+    check = check_merge(empty, empty.clone(), a, b, scale=1.0, transposed=False, ulps=2)
+    assert check == MergeCheck(True, 3, [], 0, None, 0.0)
 
 
 def test_rslora_and_alpha_pattern_set_the_scale(tmp_path: Path) -> None:

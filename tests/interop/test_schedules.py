@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 from isolate import IsolationSpec
 from isolate.cli import main
 from isolate.errors import SpecError
-from isolate.interop.schedules import default_schedule, to_yaml
+from isolate.interop.schedules import default_schedule, load_model, to_yaml
 from tests._launch import REPO, launch
 from tests.interop._schedule_models import Tower
 
@@ -69,3 +70,21 @@ def test_to_yaml_writes_flags_as_yaml_booleans() -> None:
     text = to_yaml({"thaw": [{"select": "a", "align": True, "x": False}]})
     assert text == "thaw:\n  - {select: a, align: true, x: false}\n"
     assert yaml.safe_load(text) == {"thaw": [{"select": "a", "align": True, "x": False}]}
+
+
+def test_to_yaml_writes_numbers_that_yaml_reads_back_as_floats() -> None:
+    step = {"select": "a", "lr": 1e-05, "min_delta": float("nan"), "hi": float("inf")}
+    text = to_yaml({"thaw": [{**step, "lo": float("-inf")}]})
+    assert text == "thaw:\n  - {select: a, lr: 1.0e-05, min_delta: .nan, hi: .inf, lo: -.inf}\n"
+    (read,) = yaml.safe_load(text)["thaw"]
+    assert math.isnan(read.pop("min_delta"))
+    assert read == {"select": "a", "lr": 1e-05, "hi": float("inf"), "lo": float("-inf")}
+
+
+def test_a_misspelt_module_of_a_package_gets_a_close_match_among_its_modules() -> None:
+    with pytest.raises(SpecError) as raised:
+        load_model("isolate.interop.schedulez:f")
+    assert str(raised.value) == (
+        "isolate.interop.schedulez:f: no module named 'isolate.interop.schedulez'; did you mean "
+        "'schedules'? (run from the folder that holds it, or put that folder on PYTHONPATH)"
+    )

@@ -252,6 +252,24 @@ def test_what_trains_separates_flags_from_training() -> None:
     assert f"idle    {head}" in text
 
 
+def test_what_trains_reads_its_ledger_against_what_peft_means() -> None:
+    model = lora_llama(lora={"modules_to_save": ["lm_head"]})
+    norm = "base_model.model.model.norm.weight"
+    model.get_parameter(norm).requires_grad_(True)
+    found = what_trains(model, model(**batch()).loss)
+    rows = {r.name: r for r in found.ledger.rows}
+    assert set(rows) == set(found.layout.params)
+    assert rows[norm].expects == "still"
+    assert "trainable but the spec expects it still" in rows[norm].reasons
+    head = "base_model.model.lm_head.modules_to_save.default.weight"
+    assert rows[head].expects == "moves" and not rows[head].reasons
+
+
+def test_what_trains_of_a_model_without_peft_names_itself() -> None:
+    with pytest.raises(IsolationTypeError, match=r"^what_trains\(\): "):
+        what_trains(torch.nn.Linear(2, 2), torch.zeros(()))
+
+
 def test_mode_eval_holds_the_whole_frozen_modules_and_not_the_adapters_dropout() -> None:
     """LoRA on the MLP only: the attention layers are frozen whole and held in eval mode
     through ``model.train()``; LoRA's own dropout follows the model's mode."""

@@ -10,18 +10,21 @@ from typing import Any
 import pytest
 import torch
 
-from isolate.errors import RankDivergenceError
+from isolate.errors import DriftError, GradientLeakError, IsolationError, RankDivergenceError
 from isolate.spec import cadence, ranks
 from isolate.spec.cadence import CHECKS, many_ranks
 from isolate.spec.ranks import check_ranks, replica_key
 
 
-def _two_ranks(monkeypatch: pytest.MonkeyPatch, other: Any) -> None:
-    """Make check_ranks see a second rank that sends ``other(names, mine)``."""
+def _two_ranks(
+    monkeypatch: pytest.MonkeyPatch, other: Any, reports: tuple[tuple[str, str], ...] = ()
+) -> None:
+    """Make check_ranks see a second rank that sends ``other(mine)`` and found ``reports``
+    (the name of an error type, its message)."""
 
     def gather(out: list[Any], obj: Any) -> None:
         names, mine, _ = obj
-        out[:] = [obj, (names, other(mine), [])]
+        out[:] = [obj, (names, other(mine), list(reports))]
 
     monkeypatch.setattr(ranks, "world_size", lambda: 2)
     monkeypatch.setattr(ranks.dist, "all_gather_object", gather)
@@ -36,6 +39,34 @@ def test_a_tensor_that_differs_on_the_other_rank_is_named(monkeypatch: pytest.Mo
         "verify(): parameters differ across the 2 ranks (at step 3): ['b']\n"
         "  b: ranks [0] vs [1] hold different values\n"
     )
+
+
+def test_the_error_shows_the_first_eight_tensors_that_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _two_ranks(monkeypatch, lambda mine: [(key, print_ + 1) for key, print_ in mine])
+    params = {f"p{i}": torch.full((2,), float(i)) for i in range(10)}
+    (error,) = check_ranks(params, "now", "verify()")
+    shown = [line for line in str(error).splitlines() if line.startswith("  ")]
+    assert shown == [f"  p{i}: ranks [0] vs [1] hold different values" for i in range(8)]
+
+
+def test_what_another_rank_found_comes_back_once_as_its_own_type_naming_the_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen_here = GradientLeakError("verify(): 'b' got a gradient")
+    reports = (
+        ("DriftError", "verify(): 'a' moved"),
+        ("GradientLeakError", str(seen_here)),  # this rank reports it already
+        ("NotAnError", "verify(): a type this side does not know"),
+    )
+    _two_ranks(monkeypatch, lambda mine: list(mine), reports)
+    errors = check_ranks({"a": torch.ones(3)}, "now", "verify()", found=[seen_here])
+    assert [type(e) for e in errors] == [DriftError, IsolationError]
+    assert [str(e) for e in errors] == [
+        "verify(): on rank 1 of 2: 'a' moved",
+        "verify(): on rank 1 of 2: a type this side does not know",
+    ]
 
 
 def test_equal_tensors_and_pieces_held_nowhere_agree(monkeypatch: pytest.MonkeyPatch) -> None:

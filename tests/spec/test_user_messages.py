@@ -52,6 +52,14 @@ def test_a_yaml_string_number_gets_the_spelling_yaml_reads(field: str, text: str
     Thaw.from_dict(fixed)  # the spelling given is accepted
 
 
+def test_a_quoted_number_gets_the_number_to_write() -> None:
+    data = yaml.safe_load('select: a\nepoch: 1\nlr: "0.001"\n')
+    with pytest.raises(
+        SpecError, match=r"got '0\.001' \(YAML reads 0\.001 as a string: write 0\.001\)$"
+    ):
+        Thaw.from_dict(data)
+
+
 def test_a_string_that_is_no_number_gets_no_hint() -> None:
     with pytest.raises(SpecError) as error:
         Thaw.from_dict({"select": "a", "epoch": 1, "lr": "fast"})

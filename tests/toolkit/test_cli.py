@@ -74,6 +74,18 @@ def test_help_keeps_the_example_lines(capsys: pytest.CaptureFixture[str]) -> Non
     )
 
 
+def test_the_top_help_says_what_isolate_is_and_what_each_verb_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Declarative, verifiable gradient isolation for PyTorch: the tools." in out
+    for verb, (_, help_text) in VERBS.items():
+        assert f" {verb} {' '.join(help_text.split())}" in out
+
+
 def test_a_misspelt_verb_gets_a_close_match(capsys: pytest.CaptureFixture[str]) -> None:
     line = one_line_error(capsys, ["schedul", "x:y"])
     assert line.startswith("isolate: error: unknown verb 'schedul'; did you mean 'schedule'?")
