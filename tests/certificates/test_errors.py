@@ -35,6 +35,19 @@ def test_a_truncated_safetensors_file_names_the_first_tensor_cut(tmp_path: Path)
     assert "truncated" in str(error.value) and "re-copy the file" in str(error.value)
 
 
+def test_a_safetensors_file_cut_after_the_headers_first_byte_is_named_as_one(
+    tmp_path: Path,
+) -> None:
+    base, tuned = pair(tmp_path, "safetensors", trained(base_state()))
+    tuned.write_bytes(tuned.read_bytes()[:9])  # the header's length, then its "{"
+    with pytest.raises(CheckpointReadError) as error:
+        certify(base, tuned, spec=SPEC)
+    assert _one_line(error).startswith(
+        "tuned.safetensors: not a safetensors file or truncated in its header (header of "
+    )
+    assert _one_line(error).endswith("file of 9); re-copy or re-save the file")
+
+
 def test_a_truncated_torch_file(tmp_path: Path) -> None:
     base, tuned = pair(tmp_path, "torch", trained(base_state()))
     _truncate(tuned, 0.5)

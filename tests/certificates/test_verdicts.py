@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from isolate.certificates import certify
-from isolate.certificates.compare import is_constant
+from isolate.certificates.compare import diff_rows, is_constant
 from isolate.spec import IsolationSpec
 from tests.certificates._data import FORMATS, SPEC, base_state, pair, trained
 
@@ -211,6 +211,13 @@ def test_a_lightning_checkpoint_is_read_from_its_state_dict(tmp_path: Path) -> N
     assert cert.tuned.group == "state_dict"
     assert cert.verdict("net.trunk.0.weight").finding == "bitwise unchanged"
     assert cert.claims["spec"]["freeze"] == ["net.trunk"]
+
+
+def test_the_largest_change_is_measured_beyond_the_dtypes_range() -> None:
+    a = torch.tensor([[60000.0, 1.0], [2.0, 3.0]], dtype=torch.float16)
+    b = torch.tensor([[-60000.0, 1.0], [2.0, 3.0]], dtype=torch.float16)
+    diff = diff_rows(a, b)  # 120000 overflows float16 (its largest is 65504)
+    assert (diff.count, diff.elements, diff.max_abs) == (1, 1, 120000.0)
 
 
 def test_a_tensor_of_one_element_or_none_counts_as_constant() -> None:
