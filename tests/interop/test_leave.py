@@ -128,6 +128,23 @@ def test_nested_scheduler_states_are_rewritten_per_group() -> None:
     ]
 
 
+def test_a_plain_group_takes_its_settings_from_a_group_no_thaw_added() -> None:
+    net = nn.Sequential(nn.Linear(2, 1, bias=False), nn.Linear(1, 1))
+    opt = torch.optim.SGD([net[0].weight], lr=0.1)
+    opt.add_param_group({"params": [net[1].weight, net[1].bias], "lr": 0.01})  # the thaw
+    layout = [["0.weight"], ["1.weight", "1.bias"]]
+    state = {
+        "layout": [layout],
+        "spec": {"thaw": [{"name": "head", "params": ["1.weight", "1.bias"]}]},
+        "thawed": [{"name": "head", "epoch": 1}],
+    }
+    checkpoint = {"callbacks": {CALLBACK_KEY: state}, "optimizer_states": [opt.state_dict()]}
+    plain = torch.optim.SGD(net.parameters(), lr=0.5)
+    out = plain_checkpoint(checkpoint, net, plain)
+    # Most of the plain group's parameters were thawed; its settings are still the base's.
+    assert [g["lr"] for g in out["optimizer_states"][0]["param_groups"]] == [0.1]
+
+
 def test_a_layout_that_does_not_fit_the_saved_groups_is_refused() -> None:
     net, opt, layout = _thawed_sgd()
     plain = torch.optim.SGD(net.parameters(), lr=0.5)

@@ -313,6 +313,7 @@ def test_the_callback_logs_the_gradient_figure_to_loggers_that_take_figures(
     assert figure.axes and "aux" in " ".join(
         t.get_text() for t in figure.axes[0].get_yticklabels() + figure.axes[0].get_xticklabels()
     )
+    assert figure.axes[0].get_yticklabels()[-1].get_text() == "cut off"  # its last row
 
 
 MONITOR = Thaw("trunk.3", monitor="val_loss", patience=1, lr=0.1)

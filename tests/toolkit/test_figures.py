@@ -79,6 +79,9 @@ def test_cells_match_the_report_and_the_figure_renders() -> None:
     assert cells[(2, 1)] == "0"  # reached, zero gradient: not "no path"
     assert cells[(0, 3)] == "no path" and cells[(0, 4)] == "frozen"
     assert [cells[(3, j)] for j in range(5)] == ["none", "none", "none", "2", "none"]
+    assert {(t.get_horizontalalignment(), t.get_verticalalignment()) for t in ax.texts} == {
+        ("center", "center")
+    }  # every number centred in its cell
     png = io.BytesIO()
     fig.savefig(png, format="png")
     assert png.getvalue()[:8] == b"\x89PNG\r\n\x1a\n" and len(png.getvalue()) > 5000
