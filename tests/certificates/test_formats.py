@@ -114,7 +114,11 @@ def test_the_certificate_json_holds_what_is_needed_to_check_it_again(tmp_path: P
     with pytest.raises(KeyError, match=r"^\"no verdict on 'nope' of claim 'frozen'\"$"):
         cert.verdict("nope", "frozen")
     assert set(data["versions"]) >= {"isolate", "torch", "python"}
-    assert data["tolerances"]["merge_ulps"] == 2.0
+    assert data["tolerances"] == {  # the rules the verdicts applied, to check them again
+        "frozen": "bitwise (XXH3-128 fingerprints of dtype, shape and bytes)",
+        "merge_ulps": 2.0,
+        "merge_rule": "|merged - (W + s*B@A)| <= ulps*eps(dtype)*(|W + s*B@A| + s*|B|@|A|)",
+    }
     assert any("cannot show which loss" in line for line in data["limits"])
     head = next(v for v in data["verdicts"] if v["key"] == "head.weight")
     assert head["tuned"] == f"{fingerprint(trained(base_state())['head.weight']):032x}"

@@ -158,10 +158,12 @@ def test_a_declared_tie_that_is_not_tied_in_the_base_fails(tmp_path: Path) -> No
         detect_ties=False,
     )
     [fail] = cert.failures
-    assert (fail.key, fail.claim, fail.finding) == (
+    assert (fail.key, fail.claim, fail.finding, fail.detail, fail.source) == (
         "head.weight = copy.weight",
         "tied",
         "not tied in the base",
+        "",
+        "declared",
     )
     ties = {v.key: v.finding for v in cert.verdicts if v.claim == "tied"}
     assert ties == {  # the tie declared after the failed one is still checked
