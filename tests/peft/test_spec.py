@@ -134,6 +134,27 @@ def test_a_tied_head_trained_through_modules_to_save_is_named() -> None:
         check_flags(model)
 
 
+def test_a_tied_weight_deeper_inside_a_saved_module_is_named() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    net = torch.nn.ModuleDict(
+        {
+            "embed": torch.nn.Embedding(8, 4),
+            "mid": torch.nn.Linear(4, 4),
+            "head": torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False)),
+        }
+    )
+    net["head"][0].weight = net["embed"].weight  # tied one level down in the saved module
+    model = get_peft_model(net, LoraConfig(r=2, target_modules=["mid"], modules_to_save=["head"]))
+    with pytest.raises(
+        AdapterStateError,
+        match=r"base_model\.model\.head is trained through modules_to_save, but its original "
+        r"weight is tied to 'base_model\.model\.embed\.weight': the trained copy "
+        r"'base_model\.model\.head\.modules_to_save\.default\.0\.weight' unties them",
+    ):
+        check_flags(model)
+
+
 def test_a_tied_head_trained_as_one_tensor_with_its_embedding_is_accepted() -> None:
     model = lora_llama(
         tied=True,

@@ -141,9 +141,20 @@ def test_every_contradiction_is_flagged_with_its_reason() -> None:
     assert (
         book.rows[0].optimizer == 0 and book.rows[0].group == 0 and book.rows[0].weight_decay == 0.1
     )
+    held = {r.name: (r.optimizer, r.group) for r in book.rows}
+    assert held["head.weight"] == (0, 1) and held["aux.weight"] == (1, 0)  # its first holder
     text = book.format(limit=3)
     assert text.splitlines()[2].startswith("trunk.0.weight") and "... and" in text
     assert "irregular spare.weight: trainable but in no optimizer; " in text
+
+
+def test_without_losses_the_reach_is_not_applicable() -> None:
+    model = torch.nn.Linear(2, 1)
+    book = ledger(model)
+    assert [r.reached_by for r in book.rows] == [None, None]
+    lines = book.format().splitlines()
+    assert [line.split()[3] for line in lines[2:4]] == ["n/a", "n/a"]
+    assert lines[-1].endswith("reached n/a (no losses) of 2; irregular 0")
 
 
 def test_optimizer_state_and_modes_are_read_from_the_objects() -> None:
