@@ -126,3 +126,16 @@ def test_a_mapped_parameter_takes_its_temporarys_consumers_or_none() -> None:
     check_leaves(found, [model], "walk()", view=view)
     assert found.consumers[id(sharded)] == ["node"]
     assert found.consumers[id(sharded)] is not consumers
+
+
+def test_the_leaf_of_a_sharded_parameter_is_its_temporary_of_the_full_shape() -> None:
+    sharded = nn.Parameter(torch.zeros(4, 2))  # a DTensor's shape is the global one
+    shard = torch.zeros(2, 2)  # a post-forward shard: as many dims, not the full shape
+    full = torch.zeros(4, 2)  # the all-gathered temporary the graph differentiates
+    family = [sharded, shard, full]
+    view = ShardedView(family={id(t): family for t in family}, units=[])
+    assert view.leaf(sharded) is full
+    view = ShardedView(family={id(sharded): [sharded, shard]}, units=[])
+    assert view.leaf(sharded) is sharded  # not gathered: the parameter itself
+    plain = torch.zeros(1)
+    assert view.leaf(plain) is plain
