@@ -10,13 +10,23 @@ from typing import Any
 
 import pytest
 import torch
-from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from pytorch_lightning.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from isolate.errors import CheckpointMismatchError, SpecError, UnsupportedStrategyError
 from isolate.lightning import IsolationCallback
 from isolate.lightning.checkpoint import SavedState
-from isolate.lightning.strategies import check_trainer, load_state_first, rewrap
+from isolate.lightning.strategies import (
+    applies_at_fit_start,
+    check_trainer,
+    load_state_first,
+    rewrap,
+)
 from tests.lightning._models import Net
 
 
@@ -54,6 +64,14 @@ def test_fsdp_strategy_without_orig_params_is_refused() -> None:
         check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
     strategy.kwargs = {"use_orig_params": True}
     check_trainer(_fake_trainer(strategy, callback), callback, "IsolationCallback")
+
+
+def test_only_a_strategy_that_builds_the_model_in_configure_model_waits_for_fit_start() -> None:
+    def waits(strategy: Any) -> bool:
+        return applies_at_fit_start(types.SimpleNamespace(strategy=strategy))  # type: ignore[arg-type]
+
+    assert waits(ModelParallelStrategy())
+    assert not waits(DDPStrategy()) and not waits(FSDPStrategy())
 
 
 def test_a_ddp_wrapper_from_another_strategy_cannot_be_rebuilt() -> None:
