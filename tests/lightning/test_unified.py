@@ -279,5 +279,6 @@ def test_a_broken_lightning_is_not_taken_for_a_missing_one(monkeypatch: pytest.M
         compat._installed()
     assert broken.value.name == "lightning_utilities"
     monkeypatch.setattr(compat, "importlib", _imports_without("lightning", "pytorch_lightning"))
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'isolate\[lightning\]'"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'isolate\[lightning\]'") as none:
         compat._installed()
+    assert none.value.name == "pytorch_lightning"  # what tools that name the missing module read
