@@ -27,7 +27,7 @@ from isolate.errors import (
 )
 from isolate.transformers import IsolationTrainerCallback
 from isolate.transformers.trainer import torch_optimizer
-from tests.transformers._models import Net, trainer
+from tests.transformers._models import Data, Net, arguments, trainer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
 
@@ -100,6 +100,23 @@ def test_frozen_parameters_never_enter_the_optimizer_trainer_builds(tmp_path: Pa
     held = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     assert held == {id(model.b.weight), id(model.b.bias)}
     assert record.steps[0]["trainable"] is False
+
+
+def test_an_optimizer_given_to_the_trainer_loses_its_frozen_parameters_without_a_warning(
+    tmp_path: Path,
+) -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built before the spec froze anything
+    args = arguments(tmp_path, steps=1)
+    t = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None))
+    IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]))
+    record = Record(model)
+    t.add_callback(record)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IsolationWarning)
+        t.train()
+    assert [step["groups"] for step in record.steps] == [[2]]  # a's two tensors taken out
+    assert sum(len(g["params"]) for g in opt.param_groups) == 4  # and put back after train()
 
 
 class Tamper(TrainerCallback):
