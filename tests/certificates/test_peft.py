@@ -89,7 +89,8 @@ def test_an_adapter_that_never_trained_is_named(tmp_path: Path) -> None:
     cert = _certify(write_lora(tmp_path, merged(lora_base(), adapter), adapter))
     [fail] = cert.failures  # type: ignore[attr-defined]
     assert (fail.key, fail.finding) == (f"{TARGET}.weight", "adapter never trained")
-    assert fail.detail == f"base_model.model.{TARGET}.lora_B.weight is all zeros (LoRA starts B at 0)"
+    b_key = f"base_model.model.{TARGET}.lora_B.weight"
+    assert fail.detail == f"{b_key} is all zeros (LoRA starts B at 0)"
 
 
 def test_trainable_token_rows_and_the_config_alone(tmp_path: Path) -> None:

@@ -298,3 +298,5 @@ def test_global_norm_clipping_across_a_detached_branch_is_warned(tmp_path: Path)
     with warnings.catch_warnings():
         warnings.simplefilter("error", IsolationWarning)
         IsolationTrainerCallback(t, IsolationSpec(detach=["b"]))
+        # No branch detached: clipping by the global norm mixes nothing in.
+        IsolationTrainerCallback(trainer(tmp_path, Net(), steps=1), IsolationSpec(freeze=["a"]))
