@@ -371,10 +371,8 @@ def statuses(rnd: Round, sample: dict[str, list[str]]) -> dict[str, dict[str, st
     return verdicts
 
 
-def tree() -> str:
-    """The commit the working tree is on, abbreviated."""
-    command = ["git", "rev-parse", "--short=7", "HEAD"]
-    return subprocess.check_output(command, cwd=ROOT, text=True).strip()
+def git(*args: str) -> str:
+    return subprocess.check_output(["git", *args], cwd=ROOT, text=True).strip()
 
 
 def save(rnd: Round, sample: dict[str, list[str]]) -> None:
@@ -388,7 +386,7 @@ def save(rnd: Round, sample: dict[str, list[str]]) -> None:
     rounds[rnd.seed, rnd.k] = {
         "seed": rnd.seed,
         "k": rnd.k,
-        "tree": old.get("tree", tree()),
+        "tree": old.get("tree") or git("rev-parse", "--short=7", "HEAD"),
         "mutants": old.get("mutants") or count(),
         "drawn": [name for names in sample.values() for name in names],
         "status": {n: v for n, v in found.items() if v != "not checked"},
@@ -483,12 +481,6 @@ def record(rnd: Round) -> dict[str, Any]:
     return next((r for r in rounds if (r["seed"], r["k"]) == (rnd.seed, rnd.k)), {})
 
 
-def sizes(rnd: Round) -> dict[str, int]:
-    """Mutants per module of the tree the round was drawn on (of the current tree if it was
-    not recorded)."""
-    return record(rnd).get("mutants") or count()
-
-
 def hand_verdicts(rounds: tuple[Round, ...]) -> dict[str, dict[str, str]]:
     """The verdicts given by hand to the survivors of ``rounds``, by kind (``HAND``)."""
     return {key: {n: v for r in rounds for n, v in record(r).get(key, {}).items()} for key in HAND}
@@ -501,13 +493,14 @@ def print_tables(rounds: list[Round]) -> None:
     for rnd in rounds:
         found = statuses(rnd, drawn(rnd))
         print(f"Round {rnd.number}: seed {rnd.seed}, k {rnd.k}, tree {record(rnd).get('tree')}")
-        print(sample_table(found, hand_verdicts((rnd,)), sizes(rnd)) + "\n")
+        sizes = record(rnd).get("mutants") or count()  # of the tree it was drawn on
+        print(sample_table(found, hand_verdicts((rnd,)), sizes) + "\n")
         for module, verdicts in found.items():
             combined.setdefault(module, {}).update(verdicts)
     if len(rounds) > 1:
         print(f"Rounds {', '.join(str(rnd.number) for rnd in rounds)} together")
         combined = dict(sorted(combined.items(), key=lambda item: priority(item[0])))
-        print(sample_table(combined, hand_verdicts(tuple(rounds)), sizes(rounds[-1])))
+        print(sample_table(combined, hand_verdicts(tuple(rounds)), sizes))
 
 
 def sample_command(rnd: Round, args: argparse.Namespace) -> int:
