@@ -223,3 +223,16 @@ def test_the_same_object_under_another_name_is_still_the_specs() -> None:
     assert handle.verify(checks=("params",)).params == 4
     handle.restore()
     parametrize.remove_parametrizations(model.trunk[0], "weight")
+
+
+def test_a_weight_tied_to_another_after_apply_is_named_with_what_it_is_now() -> None:
+    model = nn.ModuleDict({"embed": nn.Linear(4, 4, bias=False), "head": nn.Linear(4, 4)})
+    handle = IsolationSpec(freeze=["head"]).apply(model)
+    model["head"].weight = model["embed"].weight  # tied after apply, as tie_weights() does
+    with pytest.raises(ReplacedParameterError) as raised:
+        handle.verify(checks=("params",))
+    assert str(raised.value).splitlines()[1] == (
+        "  head.weight (frozen): a new object; requires grad (the spec's object: "
+        "requires_grad=False)"
+    )
+    handle.restore()
