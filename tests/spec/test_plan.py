@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from isolate.errors import WrappingError
+from isolate.spec import IsolationSpec
 from tests.spec._models import SPEC, Net
 
 pytestmark = pytest.mark.filterwarnings("ignore::isolate.IsolationWarning")
@@ -35,3 +37,15 @@ def test_each_selector_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None
     handle.load_state_dict(handle.state_dict())
     handle.restore()
     assert calls == [("trunk",), ("trunk.3",)]
+
+
+def test_a_branch_registered_under_two_names_is_refused_before_wrapping() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.ModuleDict({"a": shared, "b": shared})
+    with pytest.raises(WrappingError) as raised:
+        IsolationSpec(detach=["a"]).apply(model)
+    assert str(raised.value).startswith(
+        "IsolationSpec(detach): 'a' is registered under 2 names ['a', 'b']; only one of them "
+        "can be replaced"
+    )
+    assert model["a"] is shared and model["b"] is shared
