@@ -236,3 +236,20 @@ def test_a_weight_tied_to_another_after_apply_is_named_with_what_it_is_now() -> 
         "requires_grad=False)"
     )
     handle.restore()
+
+
+def test_a_spec_applied_while_fsdp_holds_temporaries_freezes_the_sharded_parameters(
+    one_process: None,
+) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model)
+    with torch.no_grad():
+        model(torch.ones(1, 4))  # a validation pass: the unit stays unsharded after it
+    assert not isinstance(model[1].weight, DTensor)  # the module holds temporaries
+    handle = IsolationSpec(freeze=["1"]).apply(model)
+    model(torch.ones(1, 4)).sum().backward()
+    weight = model[1].weight
+    assert isinstance(weight, DTensor) and not weight.requires_grad and weight.grad is None
+    handle.restore()
