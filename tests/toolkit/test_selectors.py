@@ -13,6 +13,7 @@ from torch import nn
 from isolate import IsolationSpec, Thaw, assert_isolated, freeze, gradient_report
 from isolate._selectors import select
 from isolate.errors import GradientLeakError, SelectorError, SpecError
+from isolate.freezing import held_in_eval
 
 
 class Block(nn.Module):
@@ -213,3 +214,20 @@ def test_protect_and_audits_resolve_selectors_together() -> None:
         assert handle.plan.protect is not None
         assert "backbone.1.weight" not in handle.plan.protect["aux"]
         assert "backbone.0.conv.weight" in handle.plan.protect["aux"]
+
+
+def test_norms_without_parameters_under_every_module_selector_are_held() -> None:
+    def block() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False))
+
+    model = nn.ModuleDict({"a": block(), "b": block()})
+    handle = freeze(model, model["a"], model["b"], bn="eval")
+    assert held_in_eval(model) == ("a.1", "b.1")
+    handle.restore()
+
+
+def test_a_glob_over_the_buffers_of_a_norm_that_is_the_model_covers_it() -> None:
+    norm = nn.BatchNorm1d(2)
+    handle = freeze(norm, "[wr]*", bn="eval")  # the weight, and the running_* buffers' names
+    assert held_in_eval(norm) == ("",)
+    handle.restore()
