@@ -29,6 +29,10 @@ from isolate.errors import SpecError
         ({"epoch": 1, "align": True, "lr": 0.1}, r"align=True follows the lr of the group"),
         ({"monitor": "val", "patience": 0}, r"patience must be an integer >= 1"),
         ({"epoch": 1, "patience": 5}, r"\['patience'\] apply to monitor="),
+        (
+            {"epoch": 1, "min_delta": 0.1, "mode": "max", "carry_best": True},
+            r"\['min_delta', 'mode', 'carry_best'\] apply to monitor=, which is not set$",
+        ),
         ({"monitor": "val", "mode": "up"}, r"mode must be 'min' or 'max'"),
         ({}, r"give exactly one of epoch= or step= \(or monitor="),
     ],
