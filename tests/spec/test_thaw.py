@@ -23,6 +23,15 @@ from isolate.errors import SpecError
         ),
         ({"epoch": 1, "warmup_steps": 2}, r"need warmup_ratio="),
         (
+            {"epoch": 1, "warmup_ratio": 0.5},
+            r"needs exactly one of warmup_steps= or warmup_epochs= \(the ramp's length\), "
+            r"got neither$",
+        ),
+        (
+            {"epoch": 1, "warmup_ratio": 0.5, "warmup_steps": 2, "warmup_epochs": 1},
+            r"\(the ramp's length\), got both$",
+        ),
+        (
             {"epoch": 1, "warmup_ratio": 0.5, "warmup_steps": 2, "warmup_shape": "step"},
             r"warmup_shape must be",
         ),
