@@ -51,6 +51,11 @@ def test_bad_thaw_fields_are_refused_by_name(keys: dict[str, Any], message: str)
         Thaw.from_dict({"select": "0", **keys})
 
 
+def test_a_bad_warmup_is_refused_naming_the_thaw() -> None:
+    with pytest.raises(SpecError, match=r"^Thaw\('trunk'\): warmup_steps / warmup_epochs need "):
+        Thaw("trunk", epoch=1, warmup_steps=2)
+
+
 def test_a_warmup_ratio_of_one_is_allowed_and_above_one_is_not() -> None:
     thaw = Thaw("trunk", epoch=1, warmup_ratio=1.0, warmup_steps=2)
     assert thaw.warmup_ratio == 1.0

@@ -16,7 +16,7 @@ from torch.func import functional_call
 import isolate
 import isolate.errors
 import isolate.reachability
-from isolate._sharding import ShardedView, check_leaves, check_wrappers
+from isolate._sharding import ShardedView, check_leaves, check_wrappers, is_flat_parameter
 from isolate.errors import ShardedGraphError, UnsupportedStrategyError
 from isolate.reachability import walk
 
@@ -139,3 +139,14 @@ def test_the_leaf_of_a_sharded_parameter_is_its_temporary_of_the_full_shape() ->
     assert view.leaf(sharded) is sharded  # not gathered: the parameter itself
     plain = torch.zeros(1)
     assert view.leaf(plain) is plain
+
+
+def test_a_flat_parameter_is_known_by_its_flag_or_by_its_type_name() -> None:
+    class FlatParameter(nn.Parameter):  # as FSDP1 names it, without the flag
+        pass
+
+    flagged = nn.Parameter(torch.zeros(2))
+    flagged._is_flat_param = True  # type: ignore[attr-defined]
+    assert is_flat_parameter(FlatParameter(torch.zeros(2))) and is_flat_parameter(flagged)
+    assert not is_flat_parameter(nn.Parameter(torch.zeros(2)))
+    assert not is_flat_parameter("FlatParameter")
