@@ -42,6 +42,10 @@ def test_from_dict_round_trips_and_names_typos() -> None:
         ({"detach": ["a", "a"]}, r"detach lists \['a'\] twice"),
         ({"thaw": "trunk"}, r"thaw must be a list of Thaw steps"),
         ({"protect": ["aux"]}, r"protect must map loss names to selectors, got list"),
+        (
+            {"protect": {"aux": [3]}},
+            r"^IsolationSpec: protect\['aux'\] must be a list of non-empty strings",
+        ),
         ({"frozen_in_optimizer": "keep"}, r"frozen_in_optimizer must be 'remove' or 'error'"),
     ],
 )
