@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import lightning_utilities.core.rank_zero as rank_zero
 import pytest
 import torch
 from torch import nn
@@ -24,7 +25,9 @@ def test_the_modules_held_in_eval_are_told_apart_from_the_others(
         net.train()
         net.norm(torch.zeros(3, 2))  # the hold puts it back in eval mode at its forward
         net.drop.eval()  # in eval mode by the user's hand
-        with caplog.at_level(logging.INFO):
+        # rank_zero_info logs through the logger Lightning installed last (the experiments'
+        # CLI raises those to WARNING); listen to that one at INFO.
+        with caplog.at_level(logging.INFO, logger=rank_zero.log.name):
             explain_eval_modes(net)
     assert [r.getMessage() for r in caplog.records] == [
         "IsolationCallback: 1 of the 2 module(s) Lightning finds in eval mode at the start of "
@@ -38,6 +41,6 @@ def test_nothing_is_said_when_the_spec_holds_no_module_in_eval(
 ) -> None:
     net = Net()
     net.drop = nn.Dropout().eval()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger=rank_zero.log.name):
         explain_eval_modes(net)
     assert caplog.records == []
