@@ -67,11 +67,17 @@ TESTS: dict[str, list[str]] = {
         "tests/toolkit/test_audit_properties.py",
         "tests/toolkit/test_audits_in_use.py",
     ],
+    # Every test file that builds a sharded or wrapped model in one process (a fake FSDP2
+    # state, a DTensor, a flat parameter, an FSDP1 unit) or compares sharded parameters.
     "isolate/_sharding.py": [
         "tests/toolkit/test_sharding.py",
+        "tests/toolkit/test_walker.py",
+        "tests/toolkit/test_reachability.py",
+        "tests/toolkit/test_audits_in_use.py",
         "tests/toolkit/test_drift.py",
         "tests/toolkit/test_fingerprints.py",
-        "tests/toolkit/test_reachability.py",
+        "tests/toolkit/test_fingerprint_routes.py",
+        "tests/spec/test_replaced.py",
     ],
     "isolate/exposure.py": [
         "tests/toolkit/test_exposure.py",
