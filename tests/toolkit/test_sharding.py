@@ -5,18 +5,29 @@ tests/distributed/test_fsdp.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.func import functional_call
 
 import isolate
 import isolate.errors
+import isolate.gradients
 import isolate.reachability
-from isolate._sharding import ShardedView, check_leaves, check_wrappers, is_flat_parameter
+from isolate._sharding import (
+    ShardedView,
+    canonical_parameters,
+    check_leaves,
+    check_wrappers,
+    is_flat_parameter,
+    settle,
+    sharded_view,
+)
 from isolate.errors import ShardedGraphError, UnsupportedStrategyError
 from isolate.reachability import walk
 
@@ -150,3 +161,169 @@ def test_a_flat_parameter_is_known_by_its_flag_or_by_its_type_name() -> None:
     assert is_flat_parameter(FlatParameter(torch.zeros(2))) and is_flat_parameter(flagged)
     assert not is_flat_parameter(nn.Parameter(torch.zeros(2)))
     assert not is_flat_parameter("FlatParameter")
+
+
+def _fsdp1_unit(fqns: list[str], originals: list[nn.Parameter] | None) -> _FakeFsdp1Unit:
+    """A unit built with use_orig_params=True over ``originals`` (``_params`` of the flat)."""
+    flat = nn.Parameter(torch.zeros(4))
+    flat._fqns = fqns  # type: ignore[attr-defined]
+    flat._params = originals  # type: ignore[attr-defined]
+    return _FakeFsdp1Unit(flat, use_orig_params=True)
+
+
+def test_fsdp1_units_that_mix_frozen_and_trainable_parameters_are_named_in_one_warning() -> None:
+    a_weight, a_bias, b_weight = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    mixed = _fsdp1_unit(["a.weight", "a.bias"], [a_weight, a_bias])
+    many = [nn.Parameter(torch.zeros(1)) for _ in range(8)]
+    mixed_many = _fsdp1_unit([f"c.{i}" for i in range(8)], many)
+    frozen_unit = _fsdp1_unit(["b.weight"], [b_weight])
+    empty = _FakeFsdp1Unit(nn.Parameter(torch.zeros(1)), use_orig_params=True)
+    object.__setattr__(empty, "_handle", None)  # a unit that owns no parameter
+    bare = _FakeFsdp1Unit(nn.Parameter(torch.zeros(1)), use_orig_params=True)
+    object.__setattr__(bare, "_handle", SimpleNamespace())  # a handle without a flat
+    model = nn.Sequential(mixed, frozen_unit, empty, bare, mixed_many)
+    warnings: list[str] = []
+    frozen = {"a.weight": a_weight, "b.weight": b_weight, "c.0": many[0]}
+    check_wrappers(model, frozen, "apply()", warnings.append)
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        "apply(): FSDP1 units mix frozen and trainable parameters (['a.weight', 'a.bias', "
+        "'c.0', 'c.1', 'c.2', 'c.3', ... and 4 more]); FSDP1 keeps one flat gradient per unit"
+    )
+    # A unit all frozen or all trainable saves its gradients' memory: nothing to say.
+    check_wrappers(model, {"b.weight": b_weight}, "apply()", warnings.append)
+    check_wrappers(model, {}, "apply()", warnings.append)
+    assert len(warnings) == 1
+    # Not a module: the caller's own type check speaks.
+    check_wrappers("model", {}, "apply()", warnings.append)  # type: ignore[arg-type]
+    assert len(warnings) == 1
+
+
+def test_an_fsdp1_unit_that_does_not_show_its_original_parameters_is_refused() -> None:
+    # use_orig_params=True but no list of the originals, or a handle that does not say
+    # which way it was built: the spec cannot tell what each parameter's flag is.
+    without_originals = _fsdp1_unit(["a.weight"], None)
+    unsaid = _fsdp1_unit(["a.weight"], [nn.Parameter(torch.zeros(2))])
+    object.__setattr__(unsaid, "_handle", SimpleNamespace(flat_param=unsaid._handle.flat_param))
+    for unit in (without_originals, unsaid):
+        with pytest.raises(UnsupportedStrategyError, match=r"^apply\(\): the model holds Fully"):
+            check_wrappers(nn.Sequential(unit), {}, "apply()", lambda text: None)
+
+
+@pytest.fixture
+def one_process() -> Iterator[None]:
+    """A process group of one (gloo): fully_shard for real, every shard the whole tensor."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).detach().relu())  # type: ignore[no-any-return]
+
+
+def _fully_shard(net: Net, *, head_stays_unsharded: bool = False) -> dict[str, torch.Tensor]:
+    """Shard ``net`` with one unit per layer under a root unit; its sharded parameters."""
+    fully_shard(net.encoder)
+    fully_shard(net.head, reshard_after_forward=not head_stays_unsharded)
+    fully_shard(net)
+    sharded = dict(net.named_parameters())
+    assert {type(p).__name__ for p in sharded.values()} == {"DTensor"}
+    return sharded
+
+
+def test_fully_shard_audits_read_the_temporaries_and_agree_with_backward(one_process: None) -> None:
+    net = Net()
+    sharded = _fully_shard(net)
+    loss = net(torch.randn(2, 3)).sum()
+    view = sharded_view([net], "walk()")
+    assert view.units == [net, net.encoder, net.head]
+    assert sharded_view([net.head, net], "walk()").units == [net.head, net, net.encoder]
+    for p in sharded.values():
+        members = view.family[id(p)]
+        temporary = view.leaf(p)
+        assert members[0] is p and temporary is members[1] and len(members) == 2
+        assert type(temporary).__name__ == "Parameter" and temporary.shape == p.shape
+        assert view.family[id(temporary)] is members
+        assert view.canonical(temporary) is p and view.canonical(p) is p
+    assert view.aliases({id(sharded["head.bias"]): "head.bias"}) == {
+        id(sharded["head.bias"]): "head.bias",
+        id(view.leaf(sharded["head.bias"])): "head.bias",
+    }
+    reached = isolate.reachability.reachable_parameters(loss, net)
+    report = isolate.gradients.gradient_report({"main": loss}, net)
+    loss.backward(retain_graph=True)  # brute force: FSDP reduces into the sharded .grad
+    assert reached == ("head.weight", "head.bias")
+    assert [n for n, p in sharded.items() if p.grad is not None] == list(reached)
+    expected = torch.cat([sharded[n].grad.full_tensor().reshape(-1) for n in reached]).norm()
+    assert report["head"].norms["main"] == pytest.approx(float(expected), rel=1e-6)
+    assert report["encoder"].norms["main"] is None
+
+
+def test_settle_reshards_a_unit_left_unsharded(one_process: None) -> None:
+    net = Net()
+    sharded = _fully_shard(net, head_stays_unsharded=True)
+    net(torch.randn(2, 3))  # a forward without backward, as validation runs
+    registered = dict(net.named_parameters())
+    temporaries = [n for n, p in registered.items() if p is not sharded[n]]
+    assert temporaries == ["head.weight", "head.bias"]
+    assert type(registered["head.weight"]).__name__ == "Parameter"
+    canonical = canonical_parameters(net, registered)
+    assert all(canonical[n] is sharded[n] for n in sharded)
+    assert settle(net) == 3
+    assert all(p is sharded[n] for n, p in net.named_parameters())
+    assert settle("net") == 0  # type: ignore[arg-type]
+
+
+def _old_layout_unit(group: object) -> nn.Module:
+    """A fully_shard unit as torch < 2.8 kept it: one parameter group per state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    state = SimpleNamespace(_fsdp_param_group=group)
+    unit = nn.Linear(2, 2)
+    unit.__class__ = type(
+        "FSDPLinear", (FSDPModule, nn.Linear), {"_get_fsdp_state": lambda self: state}
+    )
+    return unit
+
+
+def test_fsdp2_state_kept_as_one_group_is_read_and_an_unreadable_one_refused() -> None:
+    unit = _old_layout_unit(None)
+    assert sharded_view([unit], "walk()").family == {}  # a unit that owns no parameter
+    temporary = torch.zeros(2, 2, requires_grad=True)
+    param = SimpleNamespace(_unsharded_param=temporary)
+    unit = _old_layout_unit(SimpleNamespace(fsdp_params=[param]))
+    param.sharded_param = unit.weight
+    view = sharded_view([unit], "walk()")
+    members = view.family[id(temporary)]
+    assert members[0] is unit.weight and members[1] is temporary and len(members) == 2
+    assert canonical_parameters(unit, {"weight": temporary})["weight"] is unit.weight
+    plain = nn.Linear(2, 1)
+    canonical = canonical_parameters(plain, dict(plain.named_parameters()))
+    assert canonical["weight"] is plain.weight and list(canonical) == ["weight", "bias"]
+    unit.__class__._get_fsdp_state = lambda self: SimpleNamespace()  # type: ignore[attr-defined]
+    with pytest.raises(ShardedGraphError, match=r"^isolate: FSDPLinear is sharded with fully_"):
+        canonical_parameters(unit, {})
+    with pytest.raises(ShardedGraphError, match=r"^walk\(\): FSDPLinear is sharded with fully_"):
+        check_leaves(SimpleNamespace(leaves={}, consumers={}), [unit], "walk()")
+
+
+def test_an_fsdp2_parameter_without_its_sharded_parameter_is_refused() -> None:
+    # Only the temporary is found: mapping it to itself would hide the registered parameter.
+    param = SimpleNamespace(_unsharded_param=torch.zeros(2, 2, requires_grad=True))
+    unit = _old_layout_unit(SimpleNamespace(fsdp_params=[param]))
+    with pytest.raises(ShardedGraphError) as caught:
+        sharded_view([unit], "walk()")
+    assert str(caught.value) == (
+        "walk(): an FSDP2 parameter of FSDPLinear has no sharded parameter isolate can find; "
+        "the audit refuses rather than guess"
+    )
