@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Net(nn.Module):
@@ -113,3 +115,14 @@ class Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
         return x * self.weight * scale
+
+
+def freed_checkpoint(lin: nn.Module) -> torch.Tensor:
+    """A loss through a reentrant checkpoint of ``lin`` whose backward has already run, so
+    its saved arguments are freed: brute force cannot say what it reaches, and the audits
+    must refuse it."""
+    out = checkpoint(lin, torch.randn(2, 3, requires_grad=True), use_reentrant=True).sum()
+    out.backward()
+    with pytest.raises(RuntimeError):  # brute force cannot answer either
+        torch.autograd.grad(out, list(lin.parameters()))
+    return out
