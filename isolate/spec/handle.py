@@ -239,8 +239,14 @@ class IsolationHandle:
 
         Returns:
             The names of the groups thawed by this call, in schedule order.
+
+        Raises:
+            SpecError: ``epoch`` or ``step`` is negative or lower than at the last call (a
+                thaw is never undone: a count that goes back, such as the batch's index in
+                its epoch, would thaw at the wrong time); nothing changes.
         """
         self._require_active("step")
+        self._require_forward(int(epoch), int(step))
         self._step_guard.stepped = True
         self.position.update(epoch=int(epoch), global_step=int(step))
         self.contracts.begin(int(step), record=record)
@@ -386,6 +392,26 @@ class IsolationHandle:
         """
         self._require_active("load_state_dict")
         self._attachment.load_state_dict(state)
+
+    def _require_forward(self, epoch: int, step: int) -> None:
+        for what, now, last, fix in (
+            ("epoch", epoch, self.position["epoch"], "the epoch of the training loop, from 0"),
+            (
+                "step",
+                step,
+                self.position["global_step"],
+                "the number of optimizer steps taken so far in the whole run (Lightning's "
+                "trainer.global_step), not the batch's index in its epoch",
+            ),
+        ):
+            if now < 0:
+                raise SpecError(f"{self.caller}.step(): {what}={now} is negative; pass {fix}")
+            if now < last:
+                raise SpecError(
+                    f"{self.caller}.step(): {what}={now} is lower than {last}, the {what} of "
+                    f"the last step() call; pass {fix}. Thaws are never undone: to train again "
+                    f"from the start, restore this handle and apply the spec anew"
+                )
 
     def _require_active(self, what: str) -> None:
         if not self._active:

@@ -242,6 +242,42 @@ def test_an_optimizer_step_before_the_schedule_ever_ran_is_refused() -> None:
     train(model, opt)  # restored: the guard is gone
 
 
+def test_a_step_count_that_goes_back_is_refused_before_anything_changes() -> None:
+    # A plain loop that passes the batch's index in its epoch: 4 batches an epoch never reach
+    # step 5, so the thaw would silently never happen.
+    model = net()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    handle = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk", step=5)]).apply(model, opt)
+    try:
+        for batch in range(4):
+            handle.step(epoch=0, step=batch)
+            train(model, opt)
+        before, position = state_of(model, opt), dict(handle.position)
+        with pytest.raises(
+            SpecError,
+            match=r"^IsolationSpec\.step\(\): step=0 is lower than 3, the step of the last "
+            r"step\(\) call; pass the number of optimizer steps taken so far in the whole run "
+            r"\(Lightning's trainer\.global_step\), not the batch's index in its epoch\.",
+        ):
+            handle.step(epoch=1, step=0)
+        with pytest.raises(SpecError, match=r"step\(\): epoch=0 is lower than 1, the epoch"):
+            handle.step(epoch=1, step=4)  # fine: the count goes on
+            handle.step(epoch=0, step=4)
+        with pytest.raises(SpecError, match=r"step\(\): step=-1 is negative; pass the number"):
+            handle.loop.begin_step(epoch=1, step=-1)  # the loop drives step() the same way
+        assert_state(before, state_of(model, opt))  # nothing thawed, nothing moved
+        assert handle.position == {**position, "epoch": 1, "global_step": 4}
+        assert handle.thawed == ()
+        handle.step(epoch=1, step=4)  # a repeated step (gradient accumulation) is fine
+        assert handle.step(epoch=1, step=5) == ["trunk"]
+    finally:
+        handle.restore()
+    fresh = IsolationSpec(freeze=["trunk"]).apply(net())
+    with pytest.raises(SpecError, match=r"^IsolationSpec\.step\(\): epoch=-1 is negative"):
+        fresh.step(epoch=-1, step=0)
+    assert fresh.position == {"epoch": 0, "global_step": 0}
+
+
 @pytest.mark.parametrize("lr", [-0.01, 0.0, float("nan"), float("inf"), True, "0.1"])
 def test_a_manual_thaw_with_a_bad_lr_is_refused(lr: Any) -> None:
     model = net()
