@@ -71,6 +71,7 @@ TESTS: dict[str, list[str]] = {
     # state, a DTensor, a flat parameter, an FSDP1 unit) or compares sharded parameters.
     "isolate/_sharding.py": [
         "tests/toolkit/test_sharding.py",
+        "tests/toolkit/test_sharding_stand_ins.py",
         "tests/toolkit/test_walker.py",
         "tests/toolkit/test_reachability.py",
         "tests/toolkit/test_audits_in_use.py",
