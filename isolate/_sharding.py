@@ -293,9 +293,9 @@ def check_leaves(
     standing = _stand_ins(foreign, unreached, view)
     if standing:
         raise ShardedGraphError(
-            f"{caller}: the graph's leaves are not the model's parameters: "
-            f"{len(standing)} of them stand for parameters of "
-            f"{', '.join(type(r).__name__ for r in roots)} ({shown(standing, limit=6)}) - a "
+            f"{caller}: the graph's leaves are not the model's parameters: some stand for "
+            f"parameters of {', '.join(type(r).__name__ for r in roots)} "
+            f"({shown(standing, limit=6)}) - a "
             f"wrapper runs the forward on copies or views of them (sharding, flat buffers, "
             f"offloading) - and the walk cannot map them back, so it refuses rather than "
             f"prove isolation vacuously. Audit the model without the wrapper, or shard it "
