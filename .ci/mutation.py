@@ -126,6 +126,13 @@ TESTS: dict[str, list[str]] = {
     "isolate/spec/checks.py": ["tests/spec"],
     "isolate/spec/identity.py": ["tests/spec"],
     "isolate/spec/handle.py": ["tests/spec"],
+    # The Lightning integration: every fast test of it calls the strategy checks, the
+    # package lookup and the saved state (13 s in all); the Trainer tests build tiny models.
+    "isolate/lightning/strategies.py": ["tests/lightning"],
+    "isolate/lightning/_compat.py": ["tests/lightning"],
+    "isolate/lightning/checkpoint.py": ["tests/lightning"],
+    # what_trains is called only by the PEFT spec tests (the fault matrix never calls it).
+    "isolate/peft/report.py": ["tests/peft/test_spec.py"],
 }
 
 

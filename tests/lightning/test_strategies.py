@@ -4,6 +4,7 @@ not rebuilt. (Runs under DDP and FSDP2 are in tests/distributed/.)"""
 
 from __future__ import annotations
 
+import pickle
 import types
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,91 @@ def test_a_fit_without_resume_takes_the_weights_check_off_the_strategy() -> None
     SavedState.no_resume(trainer)
     assert "load_model_state_dict" not in strategy.__dict__
     SavedState.no_resume(trainer)  # nothing to take off: a no-op
+
+
+def test_a_trainer_without_callbacks_is_checked_on_its_strategy_alone() -> None:
+    callback = IsolationCallback(freeze=["trunk"])
+    bare: Any = types.SimpleNamespace(strategy=DDPStrategy())  # no `callbacks` attribute
+    check_trainer(bare, callback, "IsolationCallback")
+    bare.strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    with pytest.raises(UnsupportedStrategyError, match=r"the DeepSpeedStrategy is not supported"):
+        check_trainer(bare, callback, "IsolationCallback")
+
+
+class _Recording:
+    """A strategy whose own ``load_checkpoint`` records every argument it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> str:
+        self.calls.append((checkpoint_path, args, kwargs))
+        return "weights"
+
+
+def test_a_distributed_checkpoint_is_read_from_its_metadata_file(tmp_path: Path) -> None:
+    folder = tmp_path / "epoch=0.ckpt"  # Lightning's distributed checkpoint: a folder
+    folder.mkdir()
+    torch.save({"callbacks": {"Isolation": {"thawed": ["trunk"]}}}, folder / "meta.pt")
+    strategy, got = _Recording(), []
+    load_state_first(types.SimpleNamespace(strategy=strategy), "Isolation", got.append, "cb")  # type: ignore[arg-type]
+    assert strategy.load_checkpoint(folder, "positional", weights_only=True) == "weights"
+    assert got == [{"thawed": ["trunk"]}]
+    # The strategy's own load gets the folder and every argument, as it was called.
+    assert strategy.calls == [(folder, ("positional",), {"weights_only": True})]
+
+
+def _saved_on_a_gpu(tensor: torch.Tensor, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Save a checkpoint whose tensor is tagged with the device ``cuda:0``, as a run on a GPU
+    leaves ``ModelCheckpoint``'s best score; loading it needs ``map_location`` without one."""
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        state = {"Isolation": {"thawed": []}, "ModelCheckpoint": {"best_model_score": tensor}}
+        torch.save({"callbacks": state}, path)
+
+
+def test_the_saved_state_of_a_gpu_run_is_read_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "gpu.ckpt"
+    _saved_on_a_gpu(torch.tensor(0.25), path, monkeypatch)
+    if not torch.cuda.is_available():  # the checkpoint is what a GPU run writes
+        with pytest.raises(RuntimeError, match=r"CUDA"):
+            torch.load(path, weights_only=True)
+    strategy, got = _Recording(), []
+    load_state_first(types.SimpleNamespace(strategy=strategy), "Isolation", got.append, "cb")  # type: ignore[arg-type]
+    assert strategy.load_checkpoint(path) == "weights"
+    assert got == [{"thawed": []}] and strategy.calls == [(path, (), {})]
+
+
+class _RunsCode:
+    """An object whose unpickling calls a function: what ``weights_only`` refuses."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (print, ("unpickled",))
+
+
+def test_a_checkpoint_whose_pickle_runs_code_is_refused_even_when_the_environment_allows_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "code.ckpt"
+    torch.save({"callbacks": {"Isolation": {"thawed": []}}, "hook": _RunsCode()}, path)
+    # Makes every torch.load that does not say weights_only= unpickle anything.
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    strategy, got = _Recording(), []
+    load_state_first(types.SimpleNamespace(strategy=strategy), "Isolation", got.append, "cb")  # type: ignore[arg-type]
+    with pytest.raises(pickle.UnpicklingError, match=r"Weights only load failed"):
+        strategy.load_checkpoint(path)
+    assert got == [] and strategy.calls == []
+
+
+def test_a_wrapper_left_by_an_earlier_fit_does_not_break_the_next_load(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    torch.save({"callbacks": {"Isolation": {"thawed": ["trunk"]}}}, path)
+    strategy, got = _Recording(), []
+    trainer: Any = types.SimpleNamespace(strategy=strategy)
+    load_state_first(trainer, "Isolation", got.append, "cb")  # a fit that stopped before loading
+    load_state_first(trainer, "Isolation", got.append, "cb")  # the next fit
+    assert strategy.load_checkpoint(path) == "weights"
+    assert got == [{"thawed": ["trunk"]}] * 2 and strategy.calls == [(path, (), {})]
+    assert "load_checkpoint" not in strategy.__dict__
