@@ -131,8 +131,8 @@ TESTS: dict[str, list[str]] = {
     "isolate/lightning/strategies.py": ["tests/lightning"],
     "isolate/lightning/_compat.py": ["tests/lightning"],
     "isolate/lightning/checkpoint.py": ["tests/lightning"],
-    # what_trains is called only by the PEFT spec tests (the fault matrix never calls it).
-    "isolate/peft/report.py": ["tests/peft/test_spec.py"],
+    # what_trains is called only by these (the fault matrix never calls it).
+    "isolate/peft/report.py": ["tests/peft/test_spec.py", "tests/peft/test_report.py"],
 }
 
 

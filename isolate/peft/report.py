@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from isolate.errors import IsolationTypeError
 from isolate.ledger import Ledger, ledger
 from isolate.peft.layout import Layout, Part, layout
 
@@ -94,6 +95,9 @@ def what_trains(
         A :class:`Training`; ``str()`` of it lists each flagged tensor and ends in the
         summary line.
 
+    Raises:
+        IsolationTypeError: ``loss`` is neither a tensor nor a mapping (``None`` included).
+
     >>> import torch
     >>> from torch import nn
     >>> from peft import LoraConfig, get_peft_model
@@ -106,6 +110,12 @@ def what_trains(
     >>> found.idle["base_model.model.2.modules_to_save.default.weight"]
     'in no optimizer'
     """  # noqa: E501
+    if not (torch.is_tensor(loss) or isinstance(loss, Mapping)):
+        raise IsolationTypeError(
+            f"what_trains(): loss must be the loss tensor of one step (graph alive) or a "
+            f"mapping of names to loss tensors, got {type(loss).__name__}; pass e.g. "
+            f"what_trains(model, model(**batch).loss, optimizer)"
+        )
     found = layout(model, caller="what_trains()")
     book = ledger(
         model,
