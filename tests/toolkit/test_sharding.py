@@ -259,9 +259,17 @@ def test_fully_shard_audits_read_the_temporaries_and_agree_with_backward(one_pro
         id(sharded["head.bias"]): "head.bias",
         id(view.leaf(sharded["head.bias"])): "head.bias",
     }
+    head_reached_as_backward_says(loss, net, sharded)
+
+
+def head_reached_as_backward_says(
+    loss: torch.Tensor, net: nn.Module, sharded: dict[str, nn.Parameter]
+) -> None:
+    """The walk and the gradient report of ``loss`` through ``net``'s sharded head, against a
+    real backward (FSDP reduces into the sharded parameters' ``.grad``)."""
     reached = isolate.reachability.reachable_parameters(loss, net)
-    report = isolate.gradients.gradient_report({"main": loss}, net)
-    loss.backward(retain_graph=True)  # brute force: FSDP reduces into the sharded .grad
+    report = isolate.gradients.gradient_report({"main": loss}, net)  # reshards the head
+    loss.backward(retain_graph=True)
     assert reached == ("head.weight", "head.bias")
     assert [n for n, p in sharded.items() if p.grad is not None] == list(reached)
     expected = torch.cat([sharded[n].grad.full_tensor().reshape(-1) for n in reached]).norm()

@@ -20,7 +20,13 @@ import isolate.gradients
 from isolate._sharding import ShardedView, check_leaves, check_wrappers
 from isolate.errors import ShardedGraphError, UnsupportedStrategyError
 from isolate.reachability import reachable_parameters
-from tests.toolkit.test_sharding import FlatViews, Net, _FakeFsdp1Unit, one_process
+from tests.toolkit.test_sharding import (
+    FlatViews,
+    Net,
+    _FakeFsdp1Unit,
+    head_reached_as_backward_says,
+    one_process,
+)
 
 __all__ = ["one_process"]  # the one-process gloo group fixture, imported for pytest to find
 
@@ -189,11 +195,4 @@ def test_fully_shard_leaves_behind_other_leaves_are_mapped_and_agree_with_backwa
     isolate.assert_isolated(loss, [sharded["encoder.weight"]], model=net)
     with pytest.raises(isolate.errors.GradientLeakError):
         isolate.assert_isolated(loss, [sharded["head.weight"]], model=net)
-    reached = reachable_parameters(loss, net)
-    report = isolate.gradients.gradient_report({"main": loss}, net)  # reshards the head
-    loss.backward(retain_graph=True)  # brute force: FSDP reduces into the sharded .grad
-    assert reached == ("head.weight", "head.bias")
-    assert [n for n, p in sharded.items() if p.grad is not None] == list(reached)
-    expected = torch.cat([sharded[n].grad.full_tensor().reshape(-1) for n in reached]).norm()
-    assert report["head"].norms["main"] == pytest.approx(float(expected), rel=1e-6)
-    assert report["encoder"].norms["main"] is None
+    head_reached_as_backward_says(loss, net, sharded)
