@@ -133,6 +133,17 @@ TESTS: dict[str, list[str]] = {
     "isolate/lightning/checkpoint.py": ["tests/lightning"],
     # what_trains is called only by these (the fault matrix never calls it).
     "isolate/peft/report.py": ["tests/peft/test_spec.py", "tests/peft/test_report.py"],
+    # Every handle wraps its plan's branches; the callbacks and leaving isolate unwrap them.
+    "isolate/spec/branches.py": [
+        "tests/spec",
+        "tests/interop/test_leave.py",
+        "tests/lightning/test_callback.py",
+        "tests/lightning/test_callback_errors.py",
+    ],
+    # Specs and contracts are built from YAML and dicts by the spec, the interop converters
+    # (migrate, schedules) and the command line.
+    "isolate/spec/_fields.py": ["tests/spec", "tests/interop", "tests/toolkit/test_cli.py"],
+    "isolate/spec/thaw.py": ["tests/spec", "tests/interop", "tests/toolkit/test_cli.py"],
 }
 
 
