@@ -45,7 +45,7 @@ def _check_ramp(thaw: Thaw, where: str) -> None:
     elif (steps is None) == (epochs is None):
         raise SpecError(
             f"{where}: warmup_ratio={ratio} needs exactly one of warmup_steps= or "
-            f"warmup_epochs= (the ramp's length), got {'both' if steps else 'neither'}"
+            f"warmup_epochs= (the ramp's length), got {'neither' if steps is None else 'both'}"
         )
     for key, value in (("warmup_steps", steps), ("warmup_epochs", epochs)):
         if value is not None and (not is_int(value) or value < 1):
