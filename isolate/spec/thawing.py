@@ -103,8 +103,9 @@ class Thaws:
         """The groups not yet thawed that are due: by epoch first, then by step, then the
         ``monitor`` thaws whose metric stopped improving, each in schedule order."""
         pending = [t for t in self.plan.spec.thaw if t.name not in self.applied]
-        by_epoch = [t for t in pending if t.epoch is not None and epoch >= t.epoch]
-        by_step = [t for t in pending if t.step is not None and step >= t.step]
+        now = [t for t in pending if t.due(epoch=epoch, step=step)]
+        by_epoch = [t for t in now if t.epoch is not None]
+        by_step = [t for t in now if t.epoch is None]
         due = [str(t.name) for t in [*by_epoch, *by_step]]
         due += [n for n in self.phases.due(list(self.applied)) if n not in due]
         return [n for n in due if self._spaced(n, epoch)]
