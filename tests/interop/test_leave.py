@@ -154,3 +154,95 @@ def test_a_layout_that_does_not_fit_the_saved_groups_is_refused() -> None:
         r"the layout \[2\]; ",
     ):
         plain_optimizer_state(opt.state_dict(), layout[:1], plain, net)
+
+
+def _three_layers() -> tuple[nn.Sequential, torch.optim.Optimizer, list[list[str]]]:
+    """A run that trained layers 1 (lr 0.1) and 2 (lr 0.01, a group of its own from the
+    start) and never layer 0."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+    opt = torch.optim.SGD([net[1].weight, net[1].bias], lr=0.1)
+    opt.add_param_group({"params": [net[2].weight, net[2].bias], "lr": 0.01})
+    return net, opt, [["1.weight", "1.bias"], ["2.weight", "2.bias"]]
+
+
+def test_each_plain_group_takes_the_settings_of_its_own_saved_group_or_keeps_its_own() -> None:
+    net, opt, layout = _three_layers()
+    plain = torch.optim.SGD(
+        [
+            {"params": [net[1].weight, net[1].bias]},
+            {"params": [net[2].weight, net[2].bias]},
+            {"params": [net[0].weight, net[0].bias], "lr": 0.3},  # nothing saved trained it
+        ],
+        lr=0.5,
+    )
+    state, origins = plain_optimizer_state(opt.state_dict(), layout, plain, net)
+    assert origins == [0, 1, -1]
+    assert [g["lr"] for g in state["param_groups"]] == [0.1, 0.01, 0.3]
+    # Numbered as torch numbers the plain optimizer's own state: in order, from 0.
+    assert [g["params"] for g in state["param_groups"]] == [
+        g["params"] for g in plain.state_dict()["param_groups"]
+    ]
+    early = {"wait_count": 2, "best_score": 0.5}  # another callback's state: kept as it is
+    checkpoint = {
+        "callbacks": {CALLBACK_KEY: {"layout": [layout]}, "EarlyStopping": early},
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [{"base_lrs": [0.1, 0.01], "last_epoch": 2}],
+    }
+    out = plain_checkpoint(checkpoint, net, plain)
+    assert out["callbacks"] == {"EarlyStopping": early}
+    # A group no saved group held takes the first group's entry: the list needs one per group.
+    assert out["lr_schedulers"] == [{"base_lrs": [0.1, 0.01, 0.1], "last_epoch": 2}]
+
+
+def test_a_plain_group_takes_the_settings_of_the_group_most_of_its_parameters_were_in() -> None:
+    net, opt, layout = _three_layers()
+    plain = torch.optim.SGD([net[0].weight, net[1].weight, net[2].weight, net[2].bias], lr=0.5)
+    state, origins = plain_optimizer_state(opt.state_dict(), layout, plain, net)
+    assert origins == [1]  # one parameter of saved group 0, two of saved group 1
+    assert state["param_groups"][0]["lr"] == 0.01
+
+
+def test_groups_that_thaws_added_are_the_origin_when_nothing_else_is() -> None:
+    net, opt, layout = _three_layers()
+    plain = torch.optim.SGD(net[1:].parameters(), lr=0.5)
+    state, origins = plain_optimizer_state(opt.state_dict(), layout, plain, net, thawed=layout)
+    assert origins == [0]
+    assert state["param_groups"][0]["lr"] == 0.1
+
+
+def test_optimizers_and_scheduler_configurations_as_two_lists_are_read() -> None:
+    net, opt, layout = _thawed_sgd()
+    checkpoint = {
+        "callbacks": {CALLBACK_KEY: {"layout": [layout]}},
+        "optimizer_states": [opt.state_dict()],
+    }
+    plain = torch.optim.SGD(net.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(plain, step_size=1)
+    out = plain_checkpoint(checkpoint, net, ([plain], [{"scheduler": sched, "interval": "step"}]))
+    assert [g["lr"] for g in out["optimizer_states"][0]["param_groups"]] == [0.1]
+
+
+def test_a_checkpoint_without_the_callback_state_or_the_optimizers_is_refused() -> None:
+    net, opt, layout = _thawed_sgd()
+    plain = torch.optim.SGD(net.parameters(), lr=0.5)
+    refused = (
+        r"^plain_checkpoint\(\): the checkpoint holds no IsolationCallback state with a "
+        r"'layout'; it was written without the callback \(load it as it is\), or by an older "
+        r"isolate \(load only the weights: model.load_state_dict\(checkpoint\['state_dict'\]\)\)$"
+    )
+    for callbacks in ({}, {CALLBACK_KEY: {"spec": {}}}):
+        with pytest.raises(CheckpointMismatchError, match=refused):
+            plain_checkpoint({"callbacks": callbacks, "optimizer_states": []}, net, plain)
+    weights_only = {"callbacks": {CALLBACK_KEY: {"layout": [layout]}}}  # save_weights_only
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"^plain_checkpoint\(\): the checkpoint holds 0 optimizer states and 1 layouts, "
+        r"but 1 optimizers were given$",
+    ):
+        plain_checkpoint(weights_only, net, plain)
+    two_layouts = {
+        "callbacks": {CALLBACK_KEY: {"layout": [layout, layout]}},
+        "optimizer_states": [opt.state_dict()],
+    }
+    with pytest.raises(CheckpointMismatchError, match=r"holds 1 optimizer states and 2 layouts"):
+        plain_checkpoint(two_layouts, net, plain)
