@@ -126,6 +126,10 @@ TESTS: dict[str, list[str]] = {
     "isolate/spec/checks.py": ["tests/spec"],
     "isolate/spec/identity.py": ["tests/spec"],
     "isolate/spec/handle.py": ["tests/spec"],
+    # The handle's rooms: every spec test applies, attaches and verifies through them.
+    "isolate/spec/verifier.py": ["tests/spec"],
+    "isolate/spec/attaching.py": ["tests/spec"],
+    "isolate/spec/isolation.py": ["tests/spec", "tests/toolkit/test_sharding.py"],
     # check_ranks and replica_key are called in one process only by test_ranks (the exchange
     # replaced); world_size by every check of a handle (cadence, checks) and after a
     # one-process group (test_replaced).
