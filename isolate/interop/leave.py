@@ -128,14 +128,27 @@ def _origin(
     return None
 
 
-def _per_group(value: Any, n: int, origins: Sequence[int]) -> Any:
-    """Per-group lists (length ``n``) of a scheduler state, picked by ``origins``."""
+def _per_group(
+    value: Any,
+    n: int,
+    origins: Sequence[int],
+    groups: Sequence[Mapping[str, Any]],
+    key: str = "",
+) -> Any:
+    """Per-group lists (length ``n``) of a scheduler state, picked by ``origins``. A plain
+    group no saved group held (origin -1) keeps the learning rates of its own ``groups``
+    entry (what a scheduler built over it holds); other lists have nothing of its own and
+    take the first saved entry."""
     if isinstance(value, list) and len(value) == n and n:
-        return [value[o] if o >= 0 else value[0] for o in origins]
+        own = {"base_lrs": "initial_lr", "_last_lr": "lr"}.get(key)
+        return [
+            value[o] if o >= 0 else groups[i].get(own, groups[i]["lr"]) if own else value[0]
+            for i, o in enumerate(origins)
+        ]
     if isinstance(value, dict):
-        return {k: _per_group(v, n, origins) for k, v in value.items()}
+        return {k: _per_group(v, n, origins, groups, str(k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [_per_group(v, n, origins) for v in value]
+        return [_per_group(v, n, origins, groups, key) for v in value]
     return value
 
 
@@ -178,7 +191,9 @@ def plain_checkpoint(
 
     Returns:
         A new checkpoint: optimizer and scheduler states in the plain layout, without the
-        callback's entry. Save it and pass it as ``ckpt_path`` to ``Trainer.fit``.
+        callback's entry. Save it and pass it as ``ckpt_path`` to ``Trainer.fit``. A plain
+        group that holds only parameters the saved optimizer never had keeps its own
+        settings, and its own learning rates in the schedulers' ``base_lrs`` and ``_last_lr``.
 
     Raises:
         CheckpointMismatchError: the checkpoint holds no callback state with a layout (it was
@@ -205,16 +220,16 @@ def plain_checkpoint(
     thawed = [t["params"] for t in record.get("thaw", []) if t.get("name") in thawed_names]
     out = dict(checkpoint)
     out["optimizer_states"] = []
-    rewritten: list[tuple[int, list[int]]] = []
+    rewritten: list[tuple[int, list[int], list[dict[str, Any]]]] = []
     for saved, layout, opt in zip(states, entry["layout"], opts, strict=True):
         new, origins = plain_optimizer_state(saved, layout, opt, model, thawed=thawed)
         out["optimizer_states"].append(new)
-        rewritten.append((len(saved["param_groups"]), origins))
+        rewritten.append((len(saved["param_groups"]), origins, opt.param_groups))
     schedulers = []
     for sched in checkpoint.get("lr_schedulers", []):
         n = len(sched.get("base_lrs", sched.get("min_lrs", [])))
-        match = [origins for count, origins in rewritten if count == n]
-        schedulers.append(_per_group(sched, n, match[0]) if match else sched)
+        match = [(origins, groups) for count, origins, groups in rewritten if count == n]
+        schedulers.append(_per_group(sched, n, *match[0]) if match else sched)
     if "lr_schedulers" in checkpoint:
         out["lr_schedulers"] = schedulers
     out["callbacks"] = {k: v for k, v in (checkpoint.get("callbacks") or {}).items() if k != key}

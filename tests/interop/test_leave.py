@@ -186,12 +186,55 @@ def test_each_plain_group_takes_the_settings_of_its_own_saved_group_or_keeps_its
     checkpoint = {
         "callbacks": {CALLBACK_KEY: {"layout": [layout]}, "EarlyStopping": early},
         "optimizer_states": [opt.state_dict()],
-        "lr_schedulers": [{"base_lrs": [0.1, 0.01], "last_epoch": 2}],
+        "lr_schedulers": [
+            {"base_lrs": [0.1, 0.01], "_last_lr": [0.05, 0.005], "gamma": [2, 3], "last_epoch": 2}
+        ],
     }
     out = plain_checkpoint(checkpoint, net, plain)
     assert out["callbacks"] == {"EarlyStopping": early}
-    # A group no saved group held takes the first group's entry: the list needs one per group.
-    assert out["lr_schedulers"] == [{"base_lrs": [0.1, 0.01, 0.1], "last_epoch": 2}]
+    # A group no saved group held keeps its own learning rates (a scheduler built over it holds
+    # them); a list with nothing of its own takes the first group's entry.
+    assert out["lr_schedulers"] == [
+        {"base_lrs": [0.1, 0.01, 0.3], "_last_lr": [0.05, 0.005, 0.3], "gamma": [2, 3, 2],
+         "last_epoch": 2}
+    ]  # fmt: skip
+
+
+def test_a_resumed_scheduler_runs_a_group_nothing_saved_trained_at_its_own_lr() -> None:
+    net, opt, layout = _three_layers()
+    decay = 0.5
+
+    def lam(epoch: int) -> float:
+        return decay**epoch
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    checkpoint = {
+        "callbacks": {CALLBACK_KEY: {"layout": [layout]}},
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched.state_dict()],
+    }
+    plain = torch.optim.SGD(
+        [
+            {"params": [net[1].weight, net[1].bias]},
+            {"params": [net[2].weight, net[2].bias]},
+            {"params": [net[0].weight, net[0].bias], "lr": 0.3},
+        ],
+        lr=0.5,
+    )
+    resumed = torch.optim.lr_scheduler.LambdaLR(plain, lam)  # as configure_optimizers builds
+    out = plain_checkpoint(checkpoint, net, plain)
+    plain.load_state_dict(out["optimizer_states"][0])
+    resumed.load_state_dict(out["lr_schedulers"][0])
+    plain.step()
+    resumed.step()
+    # Written out by hand: each saved group goes on from its own base lr; the new group
+    # runs the same schedule from its own lr, not the first group's.
+    expected = [0.1 * decay**4, 0.01 * decay**4, 0.3 * decay**4]
+    assert [g["lr"] for g in plain.param_groups] == pytest.approx(expected)
+    assert resumed.get_last_lr() == pytest.approx(expected)
 
 
 def test_a_plain_group_takes_the_settings_of_the_group_most_of_its_parameters_were_in() -> None:
