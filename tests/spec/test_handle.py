@@ -67,6 +67,29 @@ def test_apply_then_restore_is_exact_wrappers_optimizer_and_thaws_included() -> 
         handle.thaw("trunk.3")
 
 
+def test_a_restored_handle_refuses_every_change_naming_the_call() -> None:
+    model = Net()
+    handle = SPEC.apply(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    state = handle.state_dict()
+    handle.restore()
+    loss = model(torch.randn(3, 4))[0].sum()
+    before = state_of(model)
+    for call, name in (
+        (lambda: handle.thaw("trunk.3"), "thaw"),
+        (lambda: handle.observe({"val_loss": 1.0}), "observe"),
+        (lambda: handle.verify(total=loss), "verify"),
+        (lambda: handle.load_state_dict(state), "load_state_dict"),
+        (lambda: handle.step(epoch=0, step=0), "step"),
+        (lambda: handle.attach(torch.optim.SGD(model.parameters(), lr=0.1)), "attach"),
+    ):
+        with pytest.raises(SpecError) as caught:
+            call()
+        assert str(caught.value) == (
+            f"IsolationSpec.{name}(): the handle was restored; apply the spec again"
+        )
+    assert_same(before, state_of(model))
+
+
 def test_applied_restores_on_exceptions() -> None:
     model = Net()
     before = state_of(model)
