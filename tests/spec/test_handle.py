@@ -90,6 +90,45 @@ def test_a_restored_handle_refuses_every_change_naming_the_call() -> None:
     assert_same(before, state_of(model))
 
 
+def test_a_handle_says_what_it_holds_and_what_it_expects() -> None:
+    model = Net()
+    handle = SPEC.apply(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert repr(handle) == "IsolationHandle(Net: 6 frozen, 1 branches, thawed [], active)"
+    assert handle.expectations()["trunk.3.weight"] == "still until epoch 1"
+    handle.step(epoch=1, step=3)
+    assert repr(handle) == (
+        "IsolationHandle(Net: 4 frozen, 1 branches, thawed ['trunk.3'], active)"
+    )
+    assert handle.expectations()["trunk.3.weight"] == "moves"
+    assert handle.expectations()["trunk.0.weight"] == "still"
+    handle.restore()
+    assert repr(handle).endswith(", restored)")
+
+
+def test_check_every_and_observe_refuse_in_the_callers_name() -> None:
+    model = Net()
+    spec = IsolationSpec(
+        freeze=["trunk"],
+        thaw=[Thaw("trunk.3", monitor="val_loss", lr=0.1)],
+        protect={"aux": ["trunk"]},
+    )
+    handle = spec.apply(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        with pytest.raises(SpecError, match=r"^IsolationSpec: verify_every_n_steps must be"):
+            handle.check_every(-1)
+        with pytest.raises(SpecError, match=r"^IsolationSpec: thaw group 'trunk\.3' monitors"):
+            handle.observe({"loss": 1.0})
+        loop = handle.check_every(1, losses_hint="no losses at step {step}: set them")
+        loop.begin_step(epoch=0, step=0)
+        loss = model(torch.randn(3, 4))[0].sum()
+        loop.before_backward(loss)  # the named losses protect reads never come
+        loss.backward()
+        with pytest.raises(SpecError, match=r"the losses \['aux'\], but no losses at step 0: set"):
+            loop.end_step()
+    finally:
+        handle.restore()
+
+
 def test_applied_restores_on_exceptions() -> None:
     model = Net()
     before = state_of(model)
