@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from isolate.errors import CheckpointMismatchError, SpecError
 from isolate.spec.thaw import Thaw
 
-__all__ = ["Phases", "Plateau", "Shaper", "ramp"]
+__all__ = ["Phases", "Plateau", "Shaper", "ramp", "require_forward"]
 
 
 def ramp(thaw: Thaw, *, steps: int, epochs: int) -> float:
@@ -250,3 +250,27 @@ class Phases:
         for name, entry in checked["plateaus"].items():
             self.plateaus[name].load_state_dict(entry)
         self.fired = list(checked["fired"])
+
+
+def require_forward(position: Mapping[str, int], epoch: int, step: int, caller: str) -> None:
+    """Refuse a negative ``epoch`` or ``step``, or one lower than ``position`` (the last
+    step's): a thaw is never undone, so a count that goes back (the batch's index in its
+    epoch passed as ``step``) would thaw at the wrong time, or never."""
+    for what, now, last, fix in (
+        ("epoch", epoch, position["epoch"], "the epoch of the training loop, from 0"),
+        (
+            "step",
+            step,
+            position["global_step"],
+            "the number of optimizer steps taken so far in the whole run (Lightning's "
+            "trainer.global_step), not the batch's index in its epoch",
+        ),
+    ):
+        if now < 0:
+            raise SpecError(f"{caller}.step(): {what}={now} is negative; pass {fix}")
+        if now < last:
+            raise SpecError(
+                f"{caller}.step(): {what}={now} is lower than {last}, the {what} of "
+                f"the last step() call; pass {fix}. Thaws are never undone: to train again "
+                f"from the start, restore this handle and apply the spec anew"
+            )

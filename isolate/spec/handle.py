@@ -26,6 +26,7 @@ from isolate.spec.attaching import Attachment
 from isolate.spec.branches import Branches
 from isolate.spec.cadence import CHECKS, Cadence, Loop, StepGuard
 from isolate.spec.checks import Tally, Verification
+from isolate.spec.clock import require_forward
 from isolate.spec.contract_checks import ContractWatch
 from isolate.spec.optimizers import OptimizerLink, Optimizers
 from isolate.spec.plan import Plan
@@ -87,7 +88,6 @@ class IsolationHandle:
     ) -> None:
         self.plan = plan
         self.caller = caller
-        self._warn = warn
         self._freeze: FreezeHandle | None = None
         self._branches = Branches()
         self.position = {"epoch": 0, "global_step": 0}  # updated in place: the link reads it
@@ -246,10 +246,11 @@ class IsolationHandle:
                 its epoch, would thaw at the wrong time); nothing changes.
         """
         self._require_active("step")
-        self._require_forward(int(epoch), int(step))
+        epoch, step = int(epoch), int(step)
+        require_forward(self.position, epoch, step, self.caller)
         self._step_guard.stepped = True
-        self.position.update(epoch=int(epoch), global_step=int(step))
-        self.contracts.begin(int(step), record=record)
+        self.position.update(epoch=epoch, global_step=step)
+        self.contracts.begin(step, record=record)
         self._branches.reset(record=record)
         due = self.due(epoch=epoch, step=step)
         for name in due:
@@ -392,26 +393,6 @@ class IsolationHandle:
         """
         self._require_active("load_state_dict")
         self._attachment.load_state_dict(state)
-
-    def _require_forward(self, epoch: int, step: int) -> None:
-        for what, now, last, fix in (
-            ("epoch", epoch, self.position["epoch"], "the epoch of the training loop, from 0"),
-            (
-                "step",
-                step,
-                self.position["global_step"],
-                "the number of optimizer steps taken so far in the whole run (Lightning's "
-                "trainer.global_step), not the batch's index in its epoch",
-            ),
-        ):
-            if now < 0:
-                raise SpecError(f"{self.caller}.step(): {what}={now} is negative; pass {fix}")
-            if now < last:
-                raise SpecError(
-                    f"{self.caller}.step(): {what}={now} is lower than {last}, the {what} of "
-                    f"the last step() call; pass {fix}. Thaws are never undone: to train again "
-                    f"from the start, restore this handle and apply the spec anew"
-                )
 
     def _require_active(self, what: str) -> None:
         if not self._active:
