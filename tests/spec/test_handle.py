@@ -12,6 +12,8 @@ from isolate.errors import (
     SelectorError,
     SpecError,
 )
+from isolate.spec.handle import IsolationHandle
+from isolate.spec.plan import resolve
 from tests.spec._models import SPEC, Net, assert_same, groups_of, state_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::isolate.IsolationWarning")
@@ -127,6 +129,17 @@ def test_check_every_and_observe_refuse_in_the_callers_name() -> None:
             loop.end_step()
     finally:
         handle.restore()
+
+
+def test_a_handle_built_by_hand_names_itself_and_is_active_only_between_start_and_restore() -> None:
+    handle = IsolationHandle(resolve(SPEC, Net()))
+    assert handle.active is False
+    with pytest.raises(SpecError, match=r"^IsolationHandle\.thaw\(\): the handle"):
+        handle.thaw("trunk.3")
+    handle.start()
+    assert handle.active is True
+    handle.restore()
+    assert handle.active is False
 
 
 def test_applied_restores_on_exceptions() -> None:
