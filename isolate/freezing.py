@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Literal
 
 import torch
@@ -170,17 +170,27 @@ class FreezeHandle:
 
     @outside_compile
     def restore(self) -> None:
-        """Write back the ``requires_grad`` flags and BatchNorm modes recorded at the call.
-
-        Gradients dropped when freezing are not brought back: they would be stale.
+        """Write back the ``requires_grad`` flags and BatchNorm modes recorded at the call
+        (not the gradients dropped when freezing: they would be stale).
 
         Raises:
             RestoreError: if the handle was restored already, or if a newer handle that
                 touches the same parameters or layers is still active (restore that first).
         """
+        self.check_restore()
+        write_flags(self._params, self._flags, self._plain)
+        for m, training in self._modules:
+            pop_hold(m, self._seq)
+            m.training = training
+        self._active = False
+        _active.discard(self)
+
+    def check_restore(self, *, first: Collection[FreezeHandle] = ()) -> None:
+        """Raise what :meth:`restore` would once the handles ``first`` are; change nothing."""
         if not self._active:
             raise RestoreError(f"{self._caller}: this handle was restored already; restore once")
         newer = [h for h in list(_active) if h._seq > self._seq and h._active and h._touches(self)]
+        newer = [h for h in newer if all(h is not f for f in first)]
         if newer:
             names = sorted({n for h in newer for n in h.names if n in self.names})
             raise RestoreError(
@@ -188,12 +198,6 @@ class FreezeHandle:
                 f"hold parameters this one set ({names[:5]}...); restore the newest first, "
                 f"or use the context managers frozen()/unfrozen(), which nest correctly"
             )
-        write_flags(self._params, self._flags, self._plain)
-        for m, training in self._modules:
-            pop_hold(m, self._seq)
-            m.training = training
-        self._active = False
-        _active.discard(self)
 
     def _ids(self) -> set[int]:
         return {id(p) for p in self._params} | {id(m) for m, _ in self._modules}
@@ -425,10 +429,6 @@ def is_frozen(model: nn.Module, *selectors: Selector) -> bool:
     return not any(p.requires_grad for p in selection.params.values())
 
 
-def _any_requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any], caller: str) -> bool:
-    return any(t.requires_grad for t in iter_tensors((args, kwargs), caller))
-
-
 class Frozen(Wrapper):
     """A module whose parameters never learn and whose BatchNorm statistics never move.
 
@@ -485,9 +485,8 @@ class Frozen(Wrapper):
         self._handle = FreezeHandle(module, caller, params, norms, False, "eval")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and _any_requires_grad(
-            args, kwargs, f"Frozen({type(self.module).__name__})"
-        ):
+        tensors = iter_tensors((args, kwargs), f"Frozen({type(self.module).__name__})")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return self.module(*args, **kwargs)
         with torch.no_grad():
             return self.module(*args, **kwargs)

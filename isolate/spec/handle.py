@@ -152,7 +152,14 @@ class IsolationHandle:
 
     def restore(self, *, optimizers: bool = True) -> None:
         """Undo everything: thaws, wrappers, freezing, holds, and (with ``optimizers=True``)
-        the optimizer surgery. Flags and modes go back to exactly what they were."""
+        the optimizer surgery. Flags and modes go back to exactly what they were.
+
+        Raises:
+            RestoreError: a :func:`~isolate.freeze` made after :meth:`start` or after a thaw
+                still holds parameters the spec froze or thawed (restore that first);
+                nothing was undone then.
+        """
+        self._thaws.check_restore(self._freeze)
         settle(self.plan.model)
         self._step_guard.remove()
         self.contracts.restore()

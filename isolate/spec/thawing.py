@@ -152,6 +152,13 @@ class Thaws:
                 self.unthaw(name)
             raise
 
+    def check_restore(self, then: FreezeHandle | None) -> None:
+        """Raise what :meth:`restore`, then restoring ``then``, would raise; change nothing."""
+        order = [h for h in reversed(self._handles.values()) if h.active]
+        order += [then] if then is not None and then.active else []
+        for i, handle in enumerate(order):
+            handle.check_restore(first=order[:i])
+
     def restore(self) -> None:
         """Freeze every thawed group again, newest first (flags and modes as recorded)."""
         for handle in reversed(list(self._handles.values())):

@@ -342,7 +342,8 @@ def test_a_contract_loss_missing_from_verify_is_an_error() -> None:
         main = model["head"](model["trunk"](torch.randn(8, 4))).sum()
         with pytest.raises(
             SpecError,
-            match=r"the contracts read the losses \['probe'\], but verify\(\) got \['main'\]",
+            match=r"^IsolationSpec: the contracts read the losses \['probe'\], but verify\(\) "
+            r"got \['main'\]; pass every loss the contracts name$",
         ):
             handle.verify({"main": main})
 

@@ -9,6 +9,7 @@ import torch
 import isolate
 from isolate import IsolationSpec, Thaw
 from isolate.errors import (
+    RestoreError,
     SelectorError,
     SpecError,
 )
@@ -140,6 +141,33 @@ def test_a_handle_built_by_hand_names_itself_and_is_active_only_between_start_an
     assert handle.active is True
     handle.restore()
     assert handle.active is False
+
+
+@pytest.mark.parametrize(
+    ("selector", "refused_by"),
+    [("trunk.0", r"IsolationSpec\(freeze\)"), ("trunk.3", r"IsolationSpec\(thaw 'trunk\.3'\)")],
+)
+def test_a_restore_a_newer_freeze_blocks_is_refused_before_anything_is_undone(
+    selector: str, refused_by: str
+) -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, groups = state_of(model), groups_of(opt)
+    handle = SPEC.apply(model, optimizer=opt)
+    handle.step(epoch=1, step=0)  # thaws trunk.3 into a group of its own
+    applied_groups = groups_of(opt)
+    assert len(applied_groups) == 2 and model.trunk[3].weight.requires_grad
+    user = isolate.freeze(model, selector)  # newer than the spec's freeze and its thaw
+    held = state_of(model)
+    with pytest.raises(RestoreError, match=rf"^{refused_by}: restored out of order"):
+        handle.restore()
+    assert_same(held, state_of(model))  # the thaw, the wrapper and the freeze all stand
+    assert groups_of(opt) == applied_groups and handle.active
+    assert handle.thawed == ("trunk.3",) and isinstance(model.aux, isolate.Detached)
+    user.restore()
+    handle.restore()
+    assert_same(before, state_of(model))
+    assert groups_of(opt) == groups and not handle.active
 
 
 def test_applied_restores_on_exceptions() -> None:

@@ -253,3 +253,21 @@ def test_a_spec_applied_while_fsdp_holds_temporaries_freezes_the_sharded_paramet
     weight = model[1].weight
     assert isinstance(weight, DTensor) and not weight.requires_grad and weight.grad is None
     handle.restore()
+
+
+def test_a_restore_while_fsdp_holds_temporaries_gives_the_sharded_parameters_back(
+    one_process: None,
+) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model)
+    handle = IsolationSpec(freeze=["1"]).apply(model)
+    with torch.no_grad():
+        model(torch.ones(1, 4))  # a validation pass: the unit stays unsharded after it
+    assert not isinstance(model[1].weight, DTensor)
+    handle.restore()
+    weight = model[1].weight  # the sharded parameter, which an optimizer built now must get
+    assert isinstance(weight, DTensor) and weight.requires_grad
+    model(torch.ones(1, 4)).sum().backward()
+    assert weight.grad is not None
