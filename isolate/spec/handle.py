@@ -93,7 +93,7 @@ class IsolationHandle:
         self.position = {"epoch": 0, "global_step": 0}  # updated in place: the link reads it
         self._link = OptimizerLink(caller, warn, self.position)
         self._thaws = Thaws(plan, self._link, caller)
-        self._active = False
+        self._active = self._started = False
         self.contracts = ContractWatch(plan.contracts, plan.model, caller)
         self._verifier = Verifier(
             plan,
@@ -126,9 +126,16 @@ class IsolationHandle:
         self._verifier.drift = drift
 
     def start(self) -> None:
-        """Freeze, hold and wrap as the plan says (undone by :meth:`restore`)."""
+        """Freeze, hold and wrap as the plan says (undone by :meth:`restore`).
+
+        Raises:
+            SpecError: the handle is active already (a second freeze would record the
+                frozen flags as the ones to restore).
+        """
+        if self._active:
+            raise SpecError(f"{self.caller}.start(): the handle is active already; start once")
         plan = self.plan
-        self._active = True
+        self._active = self._started = True
         try:
             if plan.frozen:
                 self._freeze = FreezeHandle(
@@ -403,9 +410,10 @@ class IsolationHandle:
 
     def _require_active(self, what: str) -> None:
         if not self._active:
-            raise SpecError(
-                f"{self.caller}.{what}(): the handle was restored; apply the spec again"
-            )
+            why = "was restored; apply the spec again"
+            if not self._started:
+                why = "was never started; call start() first (spec.apply() does)"
+            raise SpecError(f"{self.caller}.{what}(): the handle {why}")
 
     def __repr__(self) -> str:
         state = "active" if self._active else "restored"

@@ -135,12 +135,27 @@ def test_check_every_and_observe_refuse_in_the_callers_name() -> None:
 def test_a_handle_built_by_hand_names_itself_and_is_active_only_between_start_and_restore() -> None:
     handle = IsolationHandle(resolve(SPEC, Net()))
     assert handle.active is False
-    with pytest.raises(SpecError, match=r"^IsolationHandle\.thaw\(\): the handle"):
+    with pytest.raises(
+        SpecError, match=r"^IsolationHandle\.thaw\(\): the handle was never started; call start"
+    ):
         handle.thaw("trunk.3")
     handle.start()
     assert handle.active is True
     handle.restore()
     assert handle.active is False
+
+
+def test_a_handle_started_twice_is_refused_and_restores_exactly() -> None:
+    model = Net()
+    before = state_of(model)
+    handle = IsolationHandle(resolve(SPEC, model))
+    handle.start()
+    started = state_of(model)
+    with pytest.raises(SpecError, match=r"^IsolationHandle\.start\(\): the handle is active"):
+        handle.start()
+    assert_same(started, state_of(model))
+    handle.restore()
+    assert_same(before, state_of(model))
 
 
 @pytest.mark.parametrize(
