@@ -238,6 +238,8 @@ def ledger(
     losses: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None,
     optimizer: object = None,
     spec: object = None,
+    *,
+    caller: str = "ledger()",
 ) -> Ledger:
     """One row per parameter tensor of ``model``: what is true of it, and what contradicts.
 
@@ -249,6 +251,7 @@ def ledger(
         spec: what is expected of each parameter: an :class:`~isolate.IsolationSpec` or an
             applied handle (anything with ``expectations(model)``, parameter key -> text), or
             a mapping of selectors to one of :data:`EXPECTATIONS`.
+        caller: how messages name the call (a function built on this one passes its own).
 
     Returns:
         A :class:`Ledger`; ``str()`` of it is the table with the summary line at the end.
@@ -276,7 +279,6 @@ def ledger(
     >>> [r.status for r in book.rows]
     ['frozen', 'frozen', 'trains', 'trains']
     """
-    caller = "ledger()"
     check_module(model, caller)
     names = Names.of(model)
     named = None if losses is None else _named_losses(losses, caller)

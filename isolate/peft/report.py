@@ -122,6 +122,7 @@ def what_trains(
         loss if isinstance(loss, Mapping) else {"loss": loss},
         optimizer,
         spec=_Expects(found),
+        caller="what_trains()",
     )
     rows = {r.name: r for r in book.rows}
     flagged = tuple(n for n in found.parts if found.params[n].requires_grad)

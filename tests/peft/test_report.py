@@ -90,3 +90,12 @@ def test_a_loss_that_is_neither_a_tensor_nor_a_mapping_is_refused_by_name(loss: 
         f"of names to loss tensors, got {type(loss).__name__}; pass e.g. "
         "what_trains(model, model(**batch).loss, optimizer)"
     )
+
+
+def test_a_bad_mapping_or_optimizer_is_refused_in_what_trains_name() -> None:
+    model = _model()
+    with pytest.raises(IsolationTypeError, match=r"^what_trains\(\): losses must map names to"):
+        what_trains(model, {"main": 1.0})  # type: ignore[dict-item]
+    loss = model(torch.randn(3, 4)).sum()
+    with pytest.raises(IsolationTypeError, match=r"^what_trains\(\): "):
+        what_trains(model, loss, "adam")
