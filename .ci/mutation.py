@@ -158,6 +158,25 @@ TESTS: dict[str, list[str]] = {
     # (migrate, schedules) and the command line.
     "isolate/spec/_fields.py": ["tests/spec", "tests/interop", "tests/toolkit/test_cli.py"],
     "isolate/spec/thaw.py": ["tests/spec", "tests/interop", "tests/toolkit/test_cli.py"],
+    # load_model and to_yaml also serve the migrate verb; every verb runs through the command.
+    "isolate/interop/schedules.py": [
+        "tests/interop/test_schedules.py",
+        "tests/interop/test_migrate.py",
+        "tests/toolkit/test_cli.py",
+    ],
+    # The fake re-runs of checkpointed segments are the only callers of these.
+    "isolate/_rerun_safety.py": [
+        "tests/toolkit/test_rerun_safety.py",
+        "tests/seethrough/test_fake_reruns.py",
+        "tests/seethrough/test_checkpointing.py",
+    ],
+    # Every verb's parser and errors, reached through main().
+    "isolate/cli.py": [
+        "tests/toolkit/test_cli.py",
+        "tests/interop/test_schedules.py",
+        "tests/interop/test_migrate.py",
+        "tests/interop/test_migrate_fts.py",
+    ],
 }
 
 
