@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import pkgutil
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -78,6 +80,14 @@ def default_schedule(
     return {"freeze": list(body), "thaw": thaw}
 
 
+# A string YAML reads back as itself when written bare, also inside [...] and {...}: it starts
+# with a letter (not a number, an indicator or a quote), holds no flow indicator ('[', ',',
+# '?', ...), no space or '#', and is not a word YAML reads as a boolean or null. Any other
+# string is written as a JSON string, which YAML reads as the same string.
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.*:/<>+=-]*")
+_WORDS = {"null", "true", "false", "yes", "no", "on", "off", "y", "n"}
+
+
 def to_yaml(schedule: Mapping[str, Any], header: str = "") -> str:
     """A schedule mapping as YAML, one thaw step per line (plain data only, no PyYAML needed).
 
@@ -89,8 +99,8 @@ def to_yaml(schedule: Mapping[str, Any], header: str = "") -> str:
 
     def scalar(value: object) -> str:
         if isinstance(value, str):
-            plain = value and value[0] not in "!&*[]{}#|>'\"%@`-?:," and ": " not in value
-            return value if plain else '"' + value.replace('"', '\\"') + '"'
+            plain = _PLAIN.fullmatch(value) and value[-1] != ":" and value.lower() not in _WORDS
+            return value if plain else json.dumps(value, ensure_ascii=False)
         if value is None:
             return "null"
         if isinstance(value, bool):
