@@ -187,3 +187,87 @@ def test_python_m_isolate_prints_no_warning() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert "schedule" in done.stdout and "migrate" in done.stdout
+
+
+def test_a_misspelt_choice_gets_a_close_match_and_the_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = one_line_error(capsys, ["certify", "a", "b", "--bn", "tran"])
+    assert line == (
+        "isolate certify: error: unknown value for --bn 'tran'; did you mean 'train'? The "
+        "choices are eval, train (see 'isolate certify --help')"
+    )
+    line = one_line_error(capsys, ["certify", "a", "b", "--bn", "zzz"])
+    assert line == (
+        "isolate certify: error: unknown value for --bn 'zzz'; the choices are eval, train "
+        "(see 'isolate certify --help')"
+    )
+
+
+def test_every_unknown_option_is_named_and_help_is_no_close_match(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = one_line_error(capsys, ["schedule", "x:y", "extra", "--by_epoch=1", "--helpme"])
+    assert line == (
+        "isolate schedule: error: unknown option '--by_epoch'; did you mean '--by-epoch'?; "
+        "unknown option '--helpme' (see 'isolate schedule --help')"
+    )
+
+
+def test_other_argparse_errors_are_passed_on_as_argparse_words_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert one_line_error(capsys, ["schedule"]) == (
+        "isolate schedule: error: the following arguments are required: module:callable "
+        "(see 'isolate schedule --help')"
+    )
+
+
+VERB = """
+from isolate.errors import SpecError
+
+def add_arguments(parser):
+    parser.add_argument("what")
+
+def run(args):
+    if args.what == "spec":
+        raise SpecError("first line\\n   second   line")
+    if args.what == "empty":
+        raise SpecError("")
+    if args.what == "disk":
+        raise OSError(28, "No space left on device")
+    if args.what == "file":
+        raise FileNotFoundError(2, "No such file or directory", "gone.yaml")
+    if args.what == "bug":
+        raise KeyError("not a user error")
+    return 1
+"""
+
+
+@pytest.fixture
+def verb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "cli_test_verb.py").write_text(VERB)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cli_test_verb", raising=False)
+    monkeypatch.setitem(VERBS, "probe", ("cli_test_verb", "a verb of the tests"))
+    return "probe"
+
+
+def test_a_verbs_user_error_is_one_line_and_its_status_passes_through(
+    capsys: pytest.CaptureFixture[str], verb: str
+) -> None:
+    expected = {
+        "spec": "first line second line",
+        "empty": "SpecError",
+        "disk": "[Errno 28] No space left on device",
+        "file": "cannot read 'gone.yaml': No such file or directory",
+    }
+    for what, message in expected.items():
+        assert one_line_error(capsys, [verb, what]) == f"isolate probe: error: {message}"
+    assert main([verb, "ok"]) == 1
+    with pytest.raises(KeyError, match="not a user error"):  # a bug keeps its traceback
+        main([verb, "bug"])
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: isolate probe [-h] what\n\na verb of the tests\n")
