@@ -207,11 +207,24 @@ def test_a_misspelt_choice_gets_a_close_match_and_the_choices(
 def test_every_unknown_option_is_named_and_help_is_no_close_match(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    line = one_line_error(capsys, ["schedule", "x:y", "extra", "--by_epoch=1", "--helpme"])
+    line = one_line_error(capsys, ["schedule", "x:y", "extra", "--by_epoch=a=b", "--helpme"])
     assert line == (
         "isolate schedule: error: unknown option '--by_epoch'; did you mean '--by-epoch'?; "
         "unknown option '--helpme' (see 'isolate schedule --help')"
     )
+
+
+def test_the_top_help_gives_the_usage_the_description_and_the_verbs_argument(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith(
+        "usage: isolate [-h] VERB ... Declarative, verifiable gradient isolation for PyTorch: "
+        "the tools. "
+    )
+    assert " VERB the tool to run (isolate VERB --help) schedule " in out
 
 
 def test_other_argparse_errors_are_passed_on_as_argparse_words_them(
