@@ -115,3 +115,29 @@ def test_a_group_added_to_a_sequential_scheduler_follows_its_source_group() -> N
     opt.step()
     scheduler.step()
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.05, 0.1]
+
+
+def test_a_thawed_group_gets_the_floor_of_its_source_group_under_a_plateau_scheduler() -> None:
+    # Per-group floors (a list): torch cannot fill in a floor for a group it was not told of.
+    model = two_layers()
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    scheduler = L.ReduceLROnPlateau(opt, patience=0, factor=0.5, min_lr=[0.02])
+    spec = IsolationSpec(freeze=["0"], thaw=[Thaw("0", step=2, lr=0.08)])
+    used, after = train(model, spec, opt, scheduler, 6)
+    assert [u[0] for u in used] == pytest.approx([0.1, 0.1, 0.05, 0.025, 0.02, 0.02])
+    assert [u[1] for u in used[2:]] == pytest.approx([0.08, 0.04, 0.02, 0.02])
+    assert after[-1] == pytest.approx([0.02, 0.02])
+    assert scheduler.min_lrs == [0.02]  # restored with the group
+
+
+def test_a_scheduler_that_never_knew_the_source_group_is_left_as_it_is() -> None:
+    # A group added to the optimizer behind the scheduler's back: the scheduler has no entry
+    # to copy for a group that comes from it, and no list of the optimizer's length to extend.
+    model, extra = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([model.weight], lr=0.1)
+    scheduler = L.StepLR(opt, step_size=1, gamma=0.5)
+    opt.add_param_group({"params": [model.bias], "lr": 0.1})
+    opt.add_param_group({"params": [extra.weight], "lr": 0.2, "initial_lr": 0.2})
+    extend(scheduler, opt, 1, 0.2)
+    assert scheduler.base_lrs == [0.1]
+    assert scheduler.get_last_lr() == [0.1]
