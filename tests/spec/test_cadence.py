@@ -237,6 +237,44 @@ def test_groups_thawed_before_an_armed_step_are_reached_on_it() -> None:
     handle.restore()
 
 
+def test_a_thaw_on_a_step_without_a_loss_says_which_thaw_the_ranks_check_follows() -> None:
+    thaws = [Thaw("0", epoch=2, lr=0.1)]
+    handle, _, _, recorder = handle_with_a_recorder(freeze=["0"], thaw=thaws)
+    loop = handle.check_every(0)
+    loop.begin_step(epoch=2, step=5, arm=False)
+    loop.begin_step(epoch=2, step=5)
+    loop.end_step()
+    assert [(c["checks"], c["when"]) for c in recorder.calls] == [
+        (("params", "drift", "ranks"), "before thawing ['0'] (epoch 2, step 5)"),
+        (("ranks",), "after thawing ['0'] (epoch 2, step 5)"),
+    ]
+    handle.restore()
+
+
+def test_windows_closed_at_the_start_of_a_step_are_reported_after_the_step_before() -> None:
+    contract = {"kind": "trains", "select": "1", "within": 1}
+    handle, opt, model, recorder = handle_with_a_recorder(contracts=[contract])
+    loop = handle.check_every(2)
+    for step in range(2):
+        loop.begin_step(epoch=0, step=step)
+        total = model(torch.randn(4, 2)).sum()
+        loop.before_backward(total, {})
+        total.backward()
+        opt.step()
+        loop.end_step()
+    # The window opened at step 0 closed as step 1 began: reported then, about step 0.
+    assert [(c["checks"], c["when"]) for c in recorder.calls] == [
+        (("reach", *AFTER_STEP), "at step 0"),
+        (("contracts",), "after step 0"),
+    ]
+    assert handle.contracts.verdicts["trains:1"]["clauses"]["changes within 1 step(s)"] == {
+        "checked": 1,
+        "violated": 0,
+        "first": None,
+    }
+    handle.restore()
+
+
 def test_named_losses_are_checked_before_backward_on_a_check_step_only() -> None:
     handle, _, model, recorder = handle_with_a_recorder(freeze=["0"], protect={"aux": ["0"]})
     loop = handle.check_every(2)
