@@ -17,7 +17,7 @@ from torch.optim import lr_scheduler as L
 
 from isolate import IsolationSpec, Thaw
 from isolate.errors import SpecError
-from isolate.spec.lr_schedulers import KNOWN, check, extend, of
+from isolate.spec.lr_schedulers import KNOWN, check, current_lr, extend, of
 from isolate.spec.optimizers import add_group
 from tests.spec._models import train, two_layers
 
@@ -232,3 +232,14 @@ def test_a_group_added_without_initial_lr_gets_one_cycles_entries() -> None:
     opt.step()
     one.step()
     assert group["lr"] / opt.param_groups[0]["lr"] == pytest.approx(0.2 / 0.004)
+
+
+def test_a_group_joins_where_its_source_group_is_in_the_schedule() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    halving = L.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.5**s])
+    for _ in range(2):
+        opt.step()
+        halving.step()
+    assert current_lr([halving], opt, 1, 0.2) == pytest.approx(0.05)  # a quarter, as group 1
+    assert current_lr([halving], opt, None, 0.2) == pytest.approx(0.2)  # as group 0
