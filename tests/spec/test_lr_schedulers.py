@@ -243,3 +243,20 @@ def test_a_group_joins_where_its_source_group_is_in_the_schedule() -> None:
         halving.step()
     assert current_lr([halving], opt, 1, 0.2) == pytest.approx(0.05)  # a quarter, as group 1
     assert current_lr([halving], opt, None, 0.2) == pytest.approx(0.2)  # as group 0
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [lambda o: L.LinearLR(o, 0.5, total_iters=4), lambda o: L.CosineAnnealingLR(o, 2, eta_min=0)],
+)
+def test_without_a_floor_the_progress_is_a_plain_ratio_at_any_lr(
+    factory: Callable[[torch.optim.Optimizer], Any],
+) -> None:
+    # lrs above 1 so that no floor of 1 would be dropped as too high
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=2.0)
+    scheduler = factory(opt)
+    opt.step()
+    scheduler.step()
+    progress = opt.param_groups[0]["lr"] / 2.0
+    assert 0 < progress < 1
+    assert current_lr([scheduler], opt, None, 4.0) == pytest.approx(4.0 * progress)
