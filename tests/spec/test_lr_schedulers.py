@@ -260,3 +260,26 @@ def test_without_a_floor_the_progress_is_a_plain_ratio_at_any_lr(
     progress = opt.param_groups[0]["lr"] / 2.0
     assert 0 < progress < 1
     assert current_lr([scheduler], opt, None, 4.0) == pytest.approx(4.0 * progress)
+
+
+def test_a_floor_is_measured_above_only_for_one_scheduler_below_both_base_lrs() -> None:
+    def after_a_step(*factories: Callable[[torch.optim.Optimizer], Any]) -> tuple[Any, ...]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        schedulers = [f(opt) for f in factories]
+        opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
+        return opt, schedulers, opt.param_groups[0]["lr"] / 0.1
+
+    def cosine(eta_min: float) -> Callable[[torch.optim.Optimizer], Any]:
+        return lambda o: L.CosineAnnealingLR(o, 4, eta_min=eta_min)
+
+    opt, schedulers, progress = after_a_step(cosine(0.01))
+    floored = 0.01 + (0.04 - 0.01) * (0.1 * progress - 0.01) / (0.1 - 0.01)
+    assert current_lr(schedulers, opt, None, 0.04) == pytest.approx(floored)
+    # Two schedulers: whose floor would it be? None: the plain ratio.
+    opt, schedulers, progress = after_a_step(cosine(0.01), lambda o: L.StepLR(o, 1, 0.5))
+    assert current_lr(schedulers, opt, None, 0.04) == pytest.approx(0.04 * progress)
+    # A floor at or above the new group's base lr: the plain ratio.
+    opt, schedulers, progress = after_a_step(cosine(0.05))
+    assert current_lr(schedulers, opt, None, 0.02) == pytest.approx(0.02 * progress)
