@@ -340,3 +340,23 @@ def test_the_end_of_training_closes_the_windows_due_after_the_last_step(
             loop.finish()
     assert "at the end of training" in str(caught.value)
     assert "did not change from step 0 to step 2" in str(caught.value)
+
+
+def test_the_step_guard_watches_each_optimizer_once_and_leaves_with_the_handle() -> None:
+    model = two_layers()
+    other = torch.nn.Parameter(torch.ones(1))
+    opts = [torch.optim.SGD(model[1].parameters(), lr=0.1), torch.optim.SGD([other], lr=0.1)]
+    thaw = Thaw("0", step=1, lr=0.1, optimizer_idx=0)
+    handle = IsolationSpec(freeze=["0"], thaw=[thaw]).apply(model)
+    handle.attach(opts)
+    handle.attach(opts)  # the same optimizers again: nothing more to watch
+    try:
+        assert [len(o._optimizer_step_pre_hooks) for o in opts] == [1, 1]
+        for opt in opts:
+            with pytest.raises(SpecError, match=r"^IsolationSpec: SGD\.step\(\) with thaw groups"):
+                opt.step()
+    finally:
+        handle.restore()
+    assert [len(o._optimizer_step_pre_hooks) for o in opts] == [0, 0]
+    for opt in opts:
+        opt.step()  # the guard left with the handle
