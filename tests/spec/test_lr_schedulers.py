@@ -283,3 +283,7 @@ def test_a_floor_is_measured_above_only_for_one_scheduler_below_both_base_lrs() 
     # A floor at or above the new group's base lr: the plain ratio.
     opt, schedulers, progress = after_a_step(cosine(0.05))
     assert current_lr(schedulers, opt, None, 0.02) == pytest.approx(0.02 * progress)
+    opt, schedulers, progress = after_a_step(cosine(0.02))
+    assert current_lr(schedulers, opt, None, 0.02) == pytest.approx(0.02 * progress)
+    opt, schedulers, progress = after_a_step(cosine(0.1))  # the floor is the reference's lr
+    assert current_lr(schedulers, opt, None, 0.04) == pytest.approx(0.04)
