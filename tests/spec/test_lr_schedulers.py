@@ -248,6 +248,7 @@ def test_a_group_joins_where_its_source_group_is_in_the_schedule() -> None:
 @pytest.mark.parametrize(
     "factory",
     [lambda o: L.LinearLR(o, 0.5, total_iters=4), lambda o: L.CosineAnnealingLR(o, 2, eta_min=0)],
+    ids=["LinearLR", "CosineAnnealingLR-eta_min=0"],
 )
 def test_without_a_floor_the_progress_is_a_plain_ratio_at_any_lr(
     factory: Callable[[torch.optim.Optimizer], Any],
