@@ -121,6 +121,22 @@ TESTS: dict[str, list[str]] = {
         "tests/interop/test_leave.py",
     ],
     "isolate/spec/thawing.py": ["tests/spec"],
+    # The Loop is driven by hand in the spec tests and by every hook of the Lightning
+    # callback; reentrant checkpoints keep their arguments through it (seethrough).
+    "isolate/spec/cadence.py": [
+        "tests/spec",
+        "tests/lightning",
+        "tests/seethrough/test_checkpointing.py",
+    ],
+    # Schedulers are extended at a thaw by the spec, the Lightning callback's configured
+    # schedulers and the converted finetuning-scheduler runs.
+    "isolate/spec/lr_schedulers.py": [
+        "tests/spec",
+        "tests/lightning/test_callback.py",
+        "tests/lightning/test_backbone_finetuning.py",
+        "tests/interop/test_migrate_fts.py",
+        "tests/interop/test_leave.py",
+    ],
     "isolate/spec/optimizers.py": ["tests/spec"],
     "isolate/spec/clock.py": ["tests/spec"],
     "isolate/spec/checks.py": ["tests/spec"],
