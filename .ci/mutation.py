@@ -160,7 +160,7 @@ TESTS: dict[str, list[str]] = {
     "isolate/spec/thaw.py": ["tests/spec", "tests/interop", "tests/toolkit/test_cli.py"],
     # Every toolkit file that freezes, nests, copies or refuses (a handle's restore order,
     # its copies, the holds of mode-dependent layers, a Frozen module's forward); the spec
-    # thaws through FreezeHandle too.
+    # thaws through FreezeHandle too, and checks a restore before it undoes anything.
     "isolate/freezing.py": [
         "tests/toolkit/test_freezing.py",
         "tests/toolkit/test_freezing_properties.py",
@@ -172,6 +172,7 @@ TESTS: dict[str, list[str]] = {
         "tests/toolkit/test_selectors.py",
         "tests/toolkit/test_tree.py",
         "tests/spec/test_thaw.py",
+        "tests/spec/test_handle.py",
     ],
     # Every file that detaches, scales or reverses a gradient, wraps a branch, or walks a
     # graph through those cuts (the audits see a scale of 0 as a cut; reversal contracts

@@ -677,7 +677,9 @@ def test_held_in_eval_names_itself_when_given_no_module() -> None:
 def test_a_handle_repr_drops_only_the_callers_parentheses() -> None:
     model = nn.Linear(2, 1)
     handle = FreezeHandle(model, "SPEC_X()", dict(model.named_parameters()), {}, False, "eval")
-    assert repr(handle) == "FreezeHandle(SPEC_X on Linear: 2 parameters, 0 BatchNorm layers, active)"
+    assert (
+        repr(handle) == "FreezeHandle(SPEC_X on Linear: 2 parameters, 0 BatchNorm layers, active)"
+    )
     handle.restore()
 
 
@@ -685,5 +687,7 @@ def test_a_handle_refuses_an_unknown_policy_in_its_callers_name() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     before = state(model)
     with pytest.raises(SelectorError, match=r"^spec\(\): bn='fixed' is not a BatchNorm policy"):
-        FreezeHandle(model, "spec()", dict(model.named_parameters()), {"1": model[1]}, False, "fixed")
+        FreezeHandle(
+            model, "spec()", dict(model.named_parameters()), {"1": model[1]}, False, "fixed"
+        )
     assert state(model) == before
