@@ -691,3 +691,19 @@ def test_a_handle_refuses_an_unknown_policy_in_its_callers_name() -> None:
             model, "spec()", dict(model.named_parameters()), {"1": model[1]}, False, "fixed"
         )
     assert state(model) == before
+
+
+def test_a_restore_out_of_order_names_the_first_five_parameters_held_by_newer_handles(
+    net: Net,
+) -> None:
+    outer = freeze(net)
+    inner = freeze(net, "trunk")  # six parameters of the outer selection
+    held = "['trunk.0.bias', 'trunk.0.weight', 'trunk.1.bias', 'trunk.1.weight', 'trunk.3.bias']"
+    with pytest.raises(RestoreError) as info:
+        outer.restore()
+    assert str(info.value).startswith(
+        f"freeze(): restored out of order: 1 newer handle(s) still hold parameters this one "
+        f"set ({held}...); restore the newest first"
+    )
+    inner.restore()
+    outer.restore()
