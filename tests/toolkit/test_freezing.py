@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any, ClassVar
 
@@ -708,20 +707,6 @@ def test_a_restore_out_of_order_names_the_first_five_parameters_held_by_newer_ha
     )
     inner.restore()
     outer.restore()
-
-
-def test_the_exposure_warning_points_at_the_line_that_froze(net: Net) -> None:
-    decayed = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=1e-2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        lines = [sys._getframe().f_lineno + 1]
-        handle = freeze(net, "head", optimizer=decayed)
-        handle.restore()
-        lines.append(sys._getframe().f_lineno + 1)
-        with frozen(net, "head", optimizer=decayed):
-            pass
-    assert all(issubclass(w.category, isolate.IsolationWarning) for w in caught)
-    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line) for line in lines]
 
 
 def test_a_handle_restored_inside_its_block_is_not_restored_again(net: Net) -> None:
