@@ -193,6 +193,56 @@ TESTS: dict[str, list[str]] = {
         "tests/interop/test_migrate.py",
         "tests/interop/test_migrate_fts.py",
     ],
+    # Every toolkit file that freezes, nests, copies or refuses (a handle's restore order,
+    # its copies, the holds of mode-dependent layers, a Frozen module's forward); the spec
+    # thaws through FreezeHandle too, and checks a restore before it undoes anything.
+    "isolate/freezing.py": [
+        "tests/toolkit/test_freezing.py",
+        "tests/toolkit/test_freezing_properties.py",
+        "tests/toolkit/test_holding.py",
+        "tests/toolkit/test_copies.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_exception_safety.py",
+        "tests/toolkit/test_exposure_optimizers.py",
+        "tests/toolkit/test_selectors.py",
+        "tests/toolkit/test_tree.py",
+        "tests/spec/test_thaw.py",
+        "tests/spec/test_handle.py",
+    ],
+    # Every file that detaches, scales or reverses a gradient, wraps a branch, or walks a
+    # graph through those cuts (the audits see a scale of 0 as a cut; reversal contracts
+    # read gradient_scale_of).
+    "isolate/detaching.py": [
+        "tests/toolkit/test_detaching.py",
+        "tests/toolkit/test_cloning.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_tree.py",
+        "tests/toolkit/test_patterns.py",
+        "tests/toolkit/test_wrapping.py",
+        "tests/toolkit/test_copies.py",
+        "tests/toolkit/test_audit_properties.py",
+        "tests/toolkit/test_cutoff.py",
+        "tests/toolkit/test_reachability.py",
+        "tests/toolkit/test_testing.py",
+        "tests/spec/test_contracts.py",
+        "tests/spec/test_contract_bugs.py",
+    ],
+    "isolate/cloning.py": [
+        "tests/toolkit/test_cloning.py",
+        "tests/toolkit/test_detaching.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_tree.py",
+        "tests/toolkit/test_wrapping.py",
+        "tests/toolkit/test_copies.py",
+        "tests/spec/test_branches.py",
+    ],
+    # assert_unchanged is also what the drift and pattern tests check a step with.
+    "isolate/testing.py": [
+        "tests/toolkit/test_testing.py",
+        "tests/toolkit/test_audits_in_use.py",
+        "tests/toolkit/test_drift.py",
+        "tests/toolkit/test_patterns.py",
+    ],
 }
 
 

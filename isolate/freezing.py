@@ -11,6 +11,8 @@ which modules a mode matters to.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Collection, Iterator
@@ -328,14 +330,23 @@ def freeze(
                 else "their .grad is None now, so this optimizer skips them, but a zero-filled "
                 ".grad would move them"
             )
-            warnings.warn(
+            _warn_at_user(
                 f"{caller}: optimizer param group(s) {groups} still hold {len(exposed)} frozen "
                 f"parameter(s), e.g. {(moving or exposed)[0]}; {when}. Take them out of the "
-                f"optimizer (or build it anew from the trainable parameters)",
-                IsolationWarning,
-                stacklevel=3,
+                f"optimizer (or build it anew from the trainable parameters)"
             )
     return handle
+
+
+def _warn_at_user(message: str) -> None:
+    # At the first frame that is not isolate's, torch's or contextlib's (frozen()): how many
+    # frames outside_compile puts above freeze() depends on the torch version.
+    dirs = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+    skip = (*dirs, os.path.abspath(contextlib.__file__))
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, IsolationWarning, stacklevel=level)
 
 
 @outside_compile

@@ -223,7 +223,7 @@ def test_detached_options_are_validated() -> None:
     assert "inplace='error'" in repr(wrapper)
 
 
-@pytest.mark.parametrize("alpha", [1.0, 0.5, -1.0, -2.5])
+@pytest.mark.parametrize("alpha", [1.0, 0.5, -1.0, -2.0, -2.5])
 def test_scale_gradient_multiplies_the_gradient(alpha: float) -> None:
     a = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     out = scale_gradient(a.sigmoid(), alpha)
@@ -351,3 +351,37 @@ def test_scale_gradient_under_vmap_of_grad(alpha: float) -> None:
     layer = GradientScale(alpha)
     grads = torch.func.vmap(torch.func.grad(lambda t: (layer(t) ** 2).sum()))(xs)
     torch.testing.assert_close(grads, alpha * 2 * xs, rtol=0, atol=0)
+
+
+def test_a_reversal_negates_every_gradient_exactly_even_an_infinite_complex_one() -> None:
+    # A multiplication by -1 + 0j would turn an infinite component into NaN; a negation
+    # keeps every value, so the reversed gradient is exactly the negated one.
+    z = torch.zeros(2, dtype=torch.cfloat, requires_grad=True)
+    upstream = torch.tensor([complex(1.0, float("inf")), complex(float("inf"), 2.0)])
+    scale_gradient(z, -1.0).backward(upstream)
+    assert torch.equal(z.grad, -upstream)  # type: ignore[arg-type]
+
+
+class Holder:
+    """A plain object keeping a tensor where no walk of containers reaches it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+@pytest.mark.parametrize(
+    ("call", "caller"),
+    [
+        (lambda h: Detached(nn.Identity())(torch.ones(1), extra=[h]), r"Detached\(Identity\)"),
+        (lambda h: Cloned(nn.Identity())(torch.ones(1), extra=[h]), r"Cloned\(Identity\)"),
+        (lambda h: scale_gradient([h], 0.0), r"scale_gradient\(\)"),
+        (lambda h: GradientScale(0.0)([h]), r"GradientScale\(\)"),
+        (lambda h: GradientScale(0.5)([h]), r"GradientScale\(\)"),
+    ],
+)
+def test_a_tensor_out_of_reach_inside_a_container_is_refused_in_the_callers_name(
+    call: Any, caller: str
+) -> None:
+    held = Holder(torch.ones(2, requires_grad=True))
+    with pytest.raises(IsolationTypeError, match=rf"^{caller}: cannot see into .*Holder"):
+        call(held)

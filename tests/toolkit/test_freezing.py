@@ -643,3 +643,77 @@ def test_unfreeze_takes_complex_parameters_and_names_the_one_integer_among_float
     ):
         unfreeze(model)
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_frozen_passes_keyword_inputs_when_no_input_requires_grad() -> None:
+    frozen = isolate.Frozen(Scaled())
+    out = frozen(torch.ones(2), scale=torch.full((2,), 3.0))  # the no_grad path
+    assert torch.equal(out, torch.full((2,), 6.0)) and out.grad_fn is None
+    frozen.unwrap()
+
+
+def test_frozen_takes_parameters_that_already_cannot_learn() -> None:
+    # An integer parameter, and one made under inference_mode that already has
+    # requires_grad=False: freezing flips neither, so nothing is refused.
+    model = nn.Linear(2, 2)
+    model.register_parameter(
+        "steps", nn.Parameter(torch.zeros(1, dtype=torch.long), requires_grad=False)
+    )
+    with torch.inference_mode():
+        model.register_parameter("table", nn.Parameter(torch.ones(2), requires_grad=False))
+    wrapped = Frozen(model)
+    assert not model.weight.requires_grad and not model.steps.requires_grad
+    assert wrapped.unwrap() is model
+    assert model.weight.requires_grad and not model.table.requires_grad
+
+
+def test_held_in_eval_names_itself_when_given_no_module() -> None:
+    with pytest.raises(
+        IsolationTypeError, match=r"^held_in_eval\(\): model must be a torch\.nn\.Module, got str"
+    ):
+        isolate.freezing.held_in_eval("model")  # type: ignore[arg-type]
+
+
+def test_a_handle_repr_drops_only_the_callers_parentheses() -> None:
+    model = nn.Linear(2, 1)
+    handle = FreezeHandle(model, "SPEC_X()", dict(model.named_parameters()), {}, False, "eval")
+    assert (
+        repr(handle) == "FreezeHandle(SPEC_X on Linear: 2 parameters, 0 BatchNorm layers, active)"
+    )
+    handle.restore()
+
+
+def test_a_handle_refuses_an_unknown_policy_in_its_callers_name() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    before = state(model)
+    with pytest.raises(SelectorError, match=r"^spec\(\): bn='fixed' is not a BatchNorm policy"):
+        FreezeHandle(
+            model, "spec()", dict(model.named_parameters()), {"1": model[1]}, False, "fixed"
+        )
+    assert state(model) == before
+
+
+def test_a_restore_out_of_order_names_the_first_five_parameters_held_by_newer_handles(
+    net: Net,
+) -> None:
+    outer = freeze(net)
+    inner = freeze(net, "trunk")  # six parameters of the outer selection
+    held = "['trunk.0.bias', 'trunk.0.weight', 'trunk.1.bias', 'trunk.1.weight', 'trunk.3.bias']"
+    with pytest.raises(RestoreError) as info:
+        outer.restore()
+    assert str(info.value).startswith(
+        f"freeze(): restored out of order: 1 newer handle(s) still hold parameters this one "
+        f"set ({held}...); restore the newest first"
+    )
+    inner.restore()
+    outer.restore()
+
+
+def test_a_handle_restored_inside_its_block_is_not_restored_again(net: Net) -> None:
+    before = state(net)
+    with frozen(net, "trunk") as outer:
+        with unfrozen(net, "trunk.0") as inner:
+            inner.restore()
+        assert not net.trunk[0].weight.requires_grad
+        outer.restore()
+    assert state(net) == before

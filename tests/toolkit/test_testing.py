@@ -227,3 +227,32 @@ def test_helpers_import_without_pytest() -> None:
     )
     out = launch([sys.executable, "-c", code], cwd=REPO)
     assert out.stdout.strip() == "False"
+
+
+FAILING_TESTS = """
+    import torch
+    from torch import nn
+    from isolate.testing import assert_gradient_invariance, assert_trains
+
+    def test_leak():
+        torch.manual_seed(0)
+        encoder, head, probe = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 2)
+        features = encoder(torch.randn(4, 3))
+        main = head(features).mean()
+        assert_gradient_invariance(main, main + probe(features).mean(), encoder)
+
+    def test_cut():
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+        assert_trains(model, lambda: model[1](model[0](torch.randn(2, 3)).detach()).sum())
+"""
+
+
+def test_a_failing_assertion_is_reported_at_the_users_line(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_inner=textwrap.dedent(FAILING_TESTS))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--tb=long")
+    result.assert_outcomes(failed=2)
+    report = result.stdout.str()
+    assert "test_inner.py:10: GradientLeakError" in report
+    assert "test_inner.py:14: CutOffError" in report
+    # The helpers' own frames are hidden: the report ends where the user called them.
+    assert plugin.__file__ not in report and "isolate" + os.sep + "testing.py" not in report
