@@ -1,11 +1,28 @@
-"""How messages list names: the first few, then how many more; and the close ones."""
+"""How messages list names: the first few, then how many more; and the close ones. Where a
+warning points: at the user's line."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
+import sys
+import warnings
 from collections.abc import Iterable
 
-__all__ = ["counted", "did_you_mean", "shown"]
+import torch
+
+from isolate.errors import IsolationWarning
+
+__all__ = ["counted", "did_you_mean", "shown", "warn_user"]
+
+# isolate's package, torch's (module calls, optimizer hooks, the compile guard of
+# outside_compile) and contextlib (a context manager's exit): never the user's line.
+_NOT_THE_USERS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.abspath(contextlib.__file__),
+)
 
 
 def shown(names: Iterable[str], *, limit: int = 8) -> str:
@@ -46,3 +63,14 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
 def formatted(value: float | None, spec: str) -> str:
     """``value`` in ``spec``, or ``-`` for a missing one (a table cell)."""
     return "-" if value is None else format(value, spec)
+
+
+def warn_user(message: str) -> None:
+    """Warn with an :class:`~isolate.IsolationWarning` pointing at the user's call: the first
+    frame outside isolate, torch and contextlib, however deep inside them it is raised."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        _NOT_THE_USERS
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, IsolationWarning, stacklevel=level)

@@ -11,9 +11,6 @@ which modules a mode matters to.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import warnings
 import weakref
 from collections.abc import Collection, Iterator
 from typing import Any, Literal
@@ -31,9 +28,10 @@ from isolate._holding import (
     reads_training,
 )
 from isolate._selectors import Selector, check_module, select
+from isolate._text import warn_user
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
-from isolate.errors import IsolationWarning, RestoreError
+from isolate.errors import RestoreError
 from isolate.exposure import Exposure, optimizer_exposure, unwrap_optimizer
 
 __all__ = [
@@ -330,23 +328,12 @@ def freeze(
                 else "their .grad is None now, so this optimizer skips them, but a zero-filled "
                 ".grad would move them"
             )
-            _warn_at_user(
+            warn_user(
                 f"{caller}: optimizer param group(s) {groups} still hold {len(exposed)} frozen "
                 f"parameter(s), e.g. {(moving or exposed)[0]}; {when}. Take them out of the "
                 f"optimizer (or build it anew from the trainable parameters)"
             )
     return handle
-
-
-def _warn_at_user(message: str) -> None:
-    # At the first frame that is not isolate's, torch's or contextlib's (frozen()): how many
-    # frames outside_compile puts above freeze() depends on the torch version.
-    dirs = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
-    skip = (*dirs, os.path.abspath(contextlib.__file__))
-    frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, IsolationWarning, stacklevel=level)
 
 
 @outside_compile

@@ -7,9 +7,6 @@ callback all drive the same handle; the engine itself imports neither Lightning 
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
@@ -17,8 +14,8 @@ import torch
 from torch import nn
 
 from isolate._sharding import settle
+from isolate._text import warn_user
 from isolate.errors import (
-    IsolationWarning,
     SpecError,
 )
 from isolate.freezing import FreezeHandle
@@ -34,18 +31,6 @@ from isolate.spec.thawing import Thaws
 from isolate.spec.verifier import Verifier
 
 __all__ = ["IsolationHandle", "Tally", "warn_user"]
-
-
-def warn_user(message: str) -> None:
-    """Warn with an :class:`~isolate.IsolationWarning` pointing at the user's call: the first
-    frame outside the ``isolate`` package, however deep inside it the warning is raised."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-        package
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, IsolationWarning, stacklevel=level)
 
 
 class IsolationHandle:
