@@ -251,17 +251,22 @@ def test_a_thaw_on_a_step_without_a_loss_says_which_thaw_the_ranks_check_follows
     handle.restore()
 
 
-def test_windows_closed_at_the_start_of_a_step_are_reported_after_the_step_before() -> None:
-    contract = {"kind": "trains", "select": "1", "within": 1}
-    handle, opt, model, recorder = handle_with_a_recorder(contracts=[contract])
-    loop = handle.check_every(2)
-    for step in range(2):
+def train_steps(loop: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` training steps of epoch 0 through the handle's loop, no named losses."""
+    for step in range(steps):
         loop.begin_step(epoch=0, step=step)
         total = model(torch.randn(4, 2)).sum()
         loop.before_backward(total, {})
         total.backward()
         opt.step()
         loop.end_step()
+
+
+def test_windows_closed_at_the_start_of_a_step_are_reported_after_the_step_before() -> None:
+    contract = {"kind": "trains", "select": "1", "within": 1}
+    handle, opt, model, recorder = handle_with_a_recorder(contracts=[contract])
+    loop = handle.check_every(2)
+    train_steps(loop, model, opt, 2)
     # The window opened at step 0 closed as step 1 began: reported then, about step 0.
     assert [(c["checks"], c["when"]) for c in recorder.calls] == [
         (("reach", *AFTER_STEP), "at step 0"),
@@ -326,13 +331,7 @@ def test_the_end_of_training_closes_the_windows_due_after_the_last_step(
     spec = IsolationSpec(contracts=[{"kind": "trains", "select": "1", "within": 2}])
     with spec.applied(model, opt) as handle:
         loop = handle.check_every(1)
-        for step in range(steps):
-            loop.begin_step(epoch=0, step=step)
-            total = model(torch.randn(4, 2)).sum()
-            loop.before_backward(total, {})
-            total.backward()
-            opt.step()
-            loop.end_step()
+        train_steps(loop, model, opt, steps)
         if not fails:
             loop.finish()
             return
