@@ -192,8 +192,10 @@ def engine_run(make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) 
     return rec
 
 
-def naive_thaw(use_isolate: bool) -> bool:
-    """Whether a head frozen while its unit stayed unsharded learns after a thaw."""
+def naive_thaw(use_isolate: bool) -> list[bool]:
+    """Whether a head frozen while its unit stayed unsharded learns at each of the two steps
+    after a thaw (the first step counts: a flag flipped while the unit is unsharded reaches
+    its temporaries only at the next all-gather, one step late)."""
     torch.manual_seed(0)
     model = shard(Net())
     opt = torch.optim.SGD(
@@ -208,18 +210,19 @@ def naive_thaw(use_isolate: bool) -> bool:
         model.head.requires_grad_(False)
     with torch.no_grad():  # a validation pass: the root unit stays unsharded after it
         model(batch())
-    before = full(model.head.weight.detach()).clone()
     if handle is not None:
         handle.step(epoch=0, step=1)
     else:  # the obvious thaw, on whatever objects the module holds now
         model.head.requires_grad_(True)
         opt.add_param_group({"params": list(model.head.parameters())})
+    moved = []
     for step in range(2):
+        before = full(model.head.weight.detach()).clone()
         main, aux = model(batch(step))
         (main.sum() + aux.sum()).backward()
         opt.step()
         opt.zero_grad()
-    moved = not torch.equal(before, full(model.head.weight.detach()))
+        moved.append(not torch.equal(before, full(model.head.weight.detach())))
     if handle is not None:
         handle.restore()
     return moved
