@@ -196,6 +196,9 @@ TESTS: dict[str, list[str]] = {
     # Every toolkit file that freezes, nests, copies or refuses (a handle's restore order,
     # its copies, the holds of mode-dependent layers, a Frozen module's forward); the spec
     # thaws through FreezeHandle too, and checks a restore before it undoes anything.
+    # The frame walk of warn_user is checked by test_warning_frames (deselected under mutmut:
+    # its trampolines add a frame); the mutants it alone kills are counted outside the selection.
+    "isolate/_text.py": ["tests/toolkit/test_text.py", "tests/toolkit/test_warning_frames.py"],
     "isolate/freezing.py": [
         "tests/toolkit/test_freezing.py",
         "tests/toolkit/test_freezing_properties.py",
