@@ -54,7 +54,9 @@ def _search_history(
     optimizer: torch.optim.Optimizer, group: Mapping[str, Any], param: torch.Tensor
 ) -> tuple[str, ...]:
     """LBFGS keeps its search direction and history over the flat view of its parameters,
-    under the first one: non-zero entries for ``param`` move it on every step."""
+    under the first one: non-zero entries for ``param`` move it. Conservative: a step whose
+    new curvature pair LBFGS skips (which depends on the gradient the step computes) may
+    leave a parameter that only the last direction holds where it is."""
     params = group["params"]
     state = optimizer.state.get(params[0], {}) if params else {}
     offset = 0
@@ -70,8 +72,8 @@ def _search_history(
     ):
         steps = len(state.get("old_dirs", []))
         return (
-            f"LBFGS's search direction and history ({steps} steps) hold it, so every step "
-            f"moves it, whatever its .grad (None included)",
+            f"LBFGS's search direction and history ({steps} steps) hold it, so its steps "
+            f"move it, whatever its .grad (None included)",
         )
     return ()
 
@@ -161,7 +163,8 @@ class Exposure:
 
     @property
     def moves_on_step(self) -> bool:
-        """Whether the next ``step()`` moves it, given its ``.grad`` now."""
+        """Whether the next ``step()`` moves it, given its ``.grad`` now (for LBFGS, whose
+        step depends on the gradient it computes: whether its history holds it)."""
         stepped = self.grad == "zero" or self.steps_without_grad
         return self.grad == "nonzero" or (stepped and self.at_risk)
 

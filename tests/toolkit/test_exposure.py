@@ -9,7 +9,7 @@ from torch import nn
 
 from isolate.drift import snapshot
 from isolate.errors import IsolationTypeError
-from isolate.exposure import Exposure, optimizer_exposure
+from isolate.exposure import Exposure, _nonzero, optimizer_exposure
 from tests.toolkit._shared import OPTIMIZERS, Tied
 
 
@@ -173,3 +173,21 @@ def test_exposures_are_named_in_the_model_under_their_first_name() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
     model.requires_grad_(False)
     assert [e.name for e in optimizer_exposure(opt, model)] == ["a.weight"]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["csr", "coo", "strided"])
+def test_a_momentum_buffer_is_nonzero_by_its_stored_values_in_any_layout(layout: str) -> None:
+    dense = torch.zeros(3, 4)
+    dense[1, 2] = 0.5
+    make = {
+        "csr": torch.Tensor.to_sparse_csr,
+        "coo": torch.Tensor.to_sparse,
+        "strided": torch.Tensor.clone,
+    }[layout]
+    assert _nonzero(make(dense)) is True
+    assert _nonzero(make(torch.zeros(3, 4))) is False
+    explicit_zero = torch.sparse_coo_tensor(
+        [[0, 0]], torch.zeros(2, 4), (3, 4), check_invariants=True
+    )
+    assert _nonzero(explicit_zero) is False  # stored, uncoalesced, all zero

@@ -5,13 +5,14 @@ training, a layer is frozen with its ``.grad`` None, zero or stale; the predicti
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from isolate.errors import IsolationWarning, SpecError
-from isolate.exposure import optimizer_exposure
+from isolate.exposure import optimizer_exposure, zero_grad_risks
 from isolate.freezing import freeze
 from isolate.spec import IsolationSpec, Thaw
 
@@ -227,3 +228,74 @@ def test_sparse_momentum_and_stale_sparse_grads_do_not_crash_the_audits() -> Non
         ]
     finally:
         handle.restore()
+
+
+HISTORY = ("d", "prev_flat_grad", "old_dirs", "old_stps")
+
+
+def _history(state: dict[str, Any], key: str) -> list[torch.Tensor]:
+    kept = state.get(key, [])
+    return list(kept) if isinstance(kept, list) else [kept]
+
+
+@pytest.mark.parametrize("alone", [*HISTORY, None])
+def test_each_piece_of_lbfgs_history_alone_moves_a_frozen_parameter(alone: str | None) -> None:
+    """LBFGS keeps its history over the flat view of every parameter it holds. ``second``
+    (the last 4 of 16 entries, after 12 of ``first``) is frozen after 3 steps, its entries
+    wiped from every piece of history but ``alone``: that one piece still moves it on the
+    next real step (on the next batch), and the prediction says so; with every piece wiped,
+    nothing moves it."""
+    model = Dense()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    for at in range(3):
+        step(model, opt, at)
+    model.second.requires_grad_(False)
+    for p in model.second.parameters():
+        p.grad = None
+    state = opt.state[model.first.weight]
+    assert len(state["old_dirs"]) == len(state["old_stps"]) > 0
+    for key in HISTORY:
+        for t in _history(state, key):
+            assert t.numel() == 16 and bool(t[12:].ne(0).any())  # every piece held it
+            if key != alone:
+                t[12:] = 0
+    exposures, steps = optimizer_exposure(opt, model), len(state["old_dirs"])
+    before = {n: p.detach().clone() for n, p in model.second.named_parameters(prefix="second")}
+    step(model, opt, 3)
+    moved = [not torch.equal(before[n], p) for n, p in model.second.named_parameters("second")]
+    assert moved == [alone is not None] * 2
+    assert [(e.name, e.moves_on_step) for e in exposures] == [
+        ("second.weight", alone is not None),
+        ("second.bias", alone is not None),
+    ]
+    said = (
+        f"LBFGS's search direction and history ({steps} steps) hold it, so its steps move it, "
+        f"whatever its .grad (None included)"
+    )
+    assert [e.reasons for e in exposures] == [(said,) if alone else ()] * 2
+
+
+def test_lbfgs_history_of_another_group_is_not_this_parameters() -> None:
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.LBFGS([p], lr=0.1)
+    opt.state[p] = {"d": torch.ones(3)}
+    assert zero_grad_risks(opt, {"params": []}, p) == ()
+    assert zero_grad_risks(opt, opt.param_groups[0], p) != ()
+
+
+def test_sparse_adam_moves_a_frozen_row_a_one_row_zero_gradient_stores() -> None:
+    model = Sparse()
+    opt = torch.optim.SparseAdam(model.parameters(), lr=0.1)
+    for at in range(2):
+        step(model, opt, at)
+    model.first.requires_grad_(False)
+    row = int(model.data(0)[0])  # a row the steps moved: its first moment is non-zero
+    model.first.weight.grad = torch.sparse_coo_tensor(
+        [[row]], torch.zeros(1, 3), (10, 3), check_invariants=True
+    )
+    (exposure,) = optimizer_exposure(opt, model)
+    before = model.first.weight.detach().clone()
+    step(model, opt, 100)
+    assert not torch.equal(before, model.first.weight)
+    assert (exposure.grad, exposure.moves_on_step) == ("zero", True)
+    assert exposure.reasons == ("optimizer state 'exp_avg' is non-zero and keeps moving it",)
