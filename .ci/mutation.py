@@ -199,6 +199,14 @@ TESTS: dict[str, list[str]] = {
     # The frame walk of warn_user is checked by test_warning_frames (deselected under mutmut:
     # its trampolines add a frame); the mutants it alone kills are counted outside the selection.
     "isolate/_text.py": ["tests/toolkit/test_text.py", "tests/toolkit/test_warning_frames.py"],
+    # The mode holds: freezing's bn="eval" and every caller that reads or stacks them.
+    "isolate/_holding.py": [
+        "tests/toolkit/test_holding.py",
+        "tests/toolkit/test_freezing.py",
+        "tests/toolkit/test_copies.py",
+        "tests/toolkit/test_tree.py",
+        "tests/toolkit/test_exception_safety.py",
+    ],
     "isolate/freezing.py": [
         "tests/toolkit/test_freezing.py",
         "tests/toolkit/test_freezing_properties.py",

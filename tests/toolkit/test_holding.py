@@ -109,6 +109,53 @@ def test_which_modules_read_their_mode() -> None:
     )
 
 
+class InClosure(nn.Module):
+    """Reads the flag inside a function its forward defines (a closure over ``self``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def scale() -> float:
+            return 2.0 if self.training else 1.0
+
+        return x * scale()
+
+
+class ReadsChildsFlag(nn.Module):
+    """Reads ``self.sub.training``: a child's mode, not its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if self.sub.training else x
+
+
+class CallsHelpersWithoutSelf(nn.Module):
+    """Calls a static method without arguments and a class method: neither reads the
+    module's own mode (a class method's ``cls.training`` is a class attribute)."""
+
+    training_scale = 2.0
+
+    @staticmethod
+    def constant() -> float:
+        return 1.0
+
+    @classmethod
+    def class_scale(cls) -> float:
+        return cls.training_scale if hasattr(cls, "training") and cls.training else 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.constant() * self.class_scale()
+
+
+def test_the_code_read_is_the_modules_own_forward_and_closures() -> None:
+    assert reads_training(InClosure())
+    assert not reads_training(ReadsChildsFlag())
+    assert not reads_training(CallsHelpersWithoutSelf())
+    x = torch.ones(1)
+    assert torch.equal(CallsHelpersWithoutSelf()(x), x)
+
+
 def test_a_declaration_overrides_what_the_code_says() -> None:
     class Quiet(DropPath):
         isolate_reads_training = False
