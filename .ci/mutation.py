@@ -138,8 +138,9 @@ TESTS: dict[str, list[str]] = {
         "tests/interop/test_leave.py",
     ],
     "isolate/spec/optimizers.py": ["tests/spec"],
-    # Ramps and plateaus are driven by hand in the spec tests (handle.step, optimizer steps)
-    # and by the Lightning callback's validation metrics.
+    # Ramps and plateaus are driven by hand in the spec tests (handle.step, optimizer steps),
+    # by the Lightning callback's validation metrics, and by finetuning-scheduler's phases
+    # converted (carry_best, after_previous).
     "isolate/spec/clock.py": [
         "tests/spec/test_clock.py",
         "tests/spec/test_handle.py",
@@ -148,6 +149,7 @@ TESTS: dict[str, list[str]] = {
         "tests/spec/test_lr_schedulers.py",
         "tests/spec/test_attaching.py",
         "tests/lightning/test_callback_errors.py",
+        "tests/interop/test_migrate_fts.py",
     ],
     # The saved state is written and checked by the handle's state_dict / load_state_dict and
     # by the Lightning callback's checkpoints (test_resume re-runs whole fits: too slow here).
