@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from isolate import IsolationSpec
+from isolate import IsolationSpec, IsolationWarning
 from isolate.freezing import frozen
 from isolate.ledger import ledger
-from isolate.lightning.notices import explain_eval_modes, print_ledger
+from isolate.lightning.notices import explain_eval_modes, print_ledger, warn_on_norm_clipping
 from tests.lightning._models import Net
 
 
@@ -90,3 +90,10 @@ def test_the_ledger_is_printed_in_full_to_forty_rows_and_its_summary_logged(
         assert print_ledger(fit, model, handle, None, total).losses == ("total",)  # type: ignore[arg-type]
     finally:
         handle.restore()
+
+
+def test_a_trainer_that_names_no_clipping_algorithm_is_taken_to_clip_by_norm() -> None:
+    # Lightning's default algorithm is the norm; a trainer that does not name one clips so.
+    fit = types.SimpleNamespace(gradient_clip_val=0.5)
+    with pytest.warns(IsolationWarning, match=r"^IsolationCallback: gradient_clip_val=0\.5 clips"):
+        warn_on_norm_clipping(fit, ("aux",))  # type: ignore[arg-type]
