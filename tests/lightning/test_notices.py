@@ -97,3 +97,37 @@ def test_a_trainer_that_names_no_clipping_algorithm_is_taken_to_clip_by_norm() -
     fit = types.SimpleNamespace(gradient_clip_val=0.5)
     with pytest.warns(IsolationWarning, match=r"^IsolationCallback: gradient_clip_val=0\.5 clips"):
         warn_on_norm_clipping(fit, ("aux",))  # type: ignore[arg-type]
+
+
+def said(net: nn.Module, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What explain_eval_modes logs for ``net``."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=rank_zero.log.name):
+        explain_eval_modes(net)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_five_held_modules_are_named_and_the_rest_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    net = nn.ModuleDict({f"n{i}": nn.BatchNorm1d(2) for i in range(6)})
+    net.update({f"d{i}": nn.Dropout() for i in range(6)})
+    start = "IsolationCallback: {} of the {} module(s) Lightning finds in eval mode at the start "
+    start += "of training are held there by the spec (a frozen part in eval mode, through "
+    start += "model.train()): "
+    with frozen(net, *(f"n{i}" for i in range(5)), bn="eval"):
+        net.train()
+        for i in range(5):
+            net[f"n{i}"](torch.zeros(3, 2))  # the hold puts it back in eval mode
+        assert said(net, caplog) == [start.format(5, 5) + "n0, n1, n2, n3, n4"]
+    with frozen(net, *(f"n{i}" for i in range(6)), bn="eval"):
+        net.train()
+        for i in range(6):
+            net[f"n{i}"](torch.zeros(3, 2))
+        for i in range(6):
+            net[f"d{i}"].eval()  # in eval mode by the user's hand
+        net.training = False  # the root too, and named so
+        assert said(net, caplog) == [
+            start.format(6, 13) + "n0, n1, n2, n3, n4 and 1 more; the other 7 are in eval mode "
+            "for another reason: <root>, d0, d1, d2, d3"
+        ]
