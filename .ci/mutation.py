@@ -193,6 +193,13 @@ TESTS: dict[str, list[str]] = {
     "isolate/lightning/strategies.py": ["tests/lightning"],
     "isolate/lightning/_compat.py": ["tests/lightning"],
     "isolate/lightning/checkpoint.py": ["tests/lightning"],
+    # The callback's helpers (named losses, the checks before a fit, the logged norms and
+    # figures, what it tells the user) are called through its hooks in every Trainer test.
+    "isolate/lightning/losses.py": ["tests/lightning"],
+    "isolate/lightning/preflight.py": ["tests/lightning"],
+    "isolate/lightning/metrics.py": ["tests/lightning"],
+    "isolate/lightning/notices.py": ["tests/lightning"],
+    "isolate/lightning/callback.py": ["tests/lightning"],
     # what_trains is called only by these (the fault matrix never calls it).
     "isolate/peft/report.py": ["tests/peft/test_spec.py", "tests/peft/test_report.py"],
     # Every handle wraps its plan's branches; the callbacks and leaving isolate unwrap them.
