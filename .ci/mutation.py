@@ -138,9 +138,41 @@ TESTS: dict[str, list[str]] = {
         "tests/interop/test_leave.py",
     ],
     "isolate/spec/optimizers.py": ["tests/spec"],
-    "isolate/spec/clock.py": ["tests/spec"],
+    # Ramps and plateaus are driven by hand in the spec tests (handle.step, optimizer steps),
+    # by the Lightning callback's validation metrics, and by finetuning-scheduler's phases
+    # converted (carry_best, after_previous).
+    "isolate/spec/clock.py": [
+        "tests/spec/test_clock.py",
+        "tests/spec/test_handle.py",
+        "tests/spec/test_misuse.py",
+        "tests/spec/test_optimizers.py",
+        "tests/spec/test_lr_schedulers.py",
+        "tests/spec/test_attaching.py",
+        "tests/lightning/test_callback_errors.py",
+        "tests/interop/test_migrate_fts.py",
+    ],
+    # The saved state is written and checked by the handle's state_dict / load_state_dict and
+    # by the Lightning callback's checkpoints (test_resume re-runs whole fits: too slow here).
+    "isolate/spec/state.py": [
+        "tests/spec/test_state.py",
+        "tests/spec/test_misuse.py",
+        "tests/spec/test_clock.py",
+        "tests/spec/test_contract_bugs.py",
+        "tests/spec/test_attaching.py",
+        "tests/spec/test_handle.py",
+        "tests/lightning/test_checkpoint.py",
+        "tests/lightning/test_callback_errors.py",
+    ],
     "isolate/spec/checks.py": ["tests/spec"],
-    "isolate/spec/identity.py": ["tests/spec"],
+    # check_replaced runs in every check of a handle, but only these replace, remove or
+    # re-register a parameter after the spec was applied (and attach or thaw after it).
+    "isolate/spec/identity.py": [
+        "tests/spec/test_replaced.py",
+        "tests/spec/test_attaching.py",
+        "tests/spec/test_checks.py",
+        "tests/spec/test_ranks.py",
+        "tests/lightning/test_replaced.py",
+    ],
     "isolate/spec/handle.py": ["tests/spec"],
     # The handle's rooms: every spec test applies, attaches and verifies through them.
     "isolate/spec/verifier.py": ["tests/spec"],
@@ -161,6 +193,13 @@ TESTS: dict[str, list[str]] = {
     "isolate/lightning/strategies.py": ["tests/lightning"],
     "isolate/lightning/_compat.py": ["tests/lightning"],
     "isolate/lightning/checkpoint.py": ["tests/lightning"],
+    # The callback's helpers (named losses, the checks before a fit, the logged norms and
+    # figures, what it tells the user) are called through its hooks in every Trainer test.
+    "isolate/lightning/losses.py": ["tests/lightning"],
+    "isolate/lightning/preflight.py": ["tests/lightning"],
+    "isolate/lightning/metrics.py": ["tests/lightning"],
+    "isolate/lightning/notices.py": ["tests/lightning"],
+    "isolate/lightning/callback.py": ["tests/lightning"],
     # what_trains is called only by these (the fault matrix never calls it).
     "isolate/peft/report.py": ["tests/peft/test_spec.py", "tests/peft/test_report.py"],
     # Every handle wraps its plan's branches; the callbacks and leaving isolate unwrap them.

@@ -12,11 +12,12 @@ import random
 import pytest
 import torch
 from pytorch_lightning.callbacks import EarlyStopping
+from torch import nn
 from torch.optim import lr_scheduler as L
 
 from isolate import IsolationSpec, Thaw
 from isolate.errors import CheckpointMismatchError, SpecError
-from isolate.spec.clock import Plateau, ramp
+from isolate.spec.clock import Phases, Plateau, ramp
 from tests.spec._models import train, two_layers
 
 
@@ -160,3 +161,34 @@ def test_align_follows_the_source_group_whatever_changes_it() -> None:
         opt.step()
     handle.restore()
     assert used == [[0.1], [0.1, 0.1], [0.3, 0.3], [0.3, 0.3]]
+
+
+def test_carry_best_starts_from_the_last_thaw_on_the_same_metric_and_mode() -> None:
+    thaws = [
+        Thaw("a", monitor="val", patience=1),
+        Thaw("b", monitor="val", patience=1, mode="max"),  # same metric, other mode
+        Thaw("c", monitor="acc", patience=1),  # same mode, other metric
+        Thaw("d", monitor="val", patience=1, carry_best=True),
+    ]
+    phases = Phases(thaws)
+    assert phases.carry == {"d": "a"}
+    assert phases.observe({"val": 0.2}, [], "C") == []
+    assert phases.observe({"val": 0.2}, [], "C") == ["a"]
+    assert phases.observe({"val": 0.9}, ["a"], "C") == []
+    assert phases.observe({"val": 0.9}, ["a"], "C") == ["b"]
+    assert phases.observe({"acc": 0.9}, ["a", "b"], "C") == []
+    assert phases.observe({"acc": 0.9}, ["a", "b"], "C") == ["c"]
+    # a's best (0.2) carried: 0.3 is no improvement, and patience 1 fires at once.
+    assert phases.observe({"val": 0.3}, ["a", "b", "c"], "C") == ["d"]
+
+
+def test_a_warmup_group_of_one_parameter_keeps_its_lr_when_the_handle_lets_go() -> None:
+    model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 1))
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    thaw = Thaw("0", step=1, lr=0.2, warmup_ratio=0.5, warmup_steps=2)
+    handle = IsolationSpec(freeze=["0"], thaw=[thaw]).apply(model, optimizer=opt)
+    assert handle.step(epoch=0, step=1) == ["0"]
+    assert opt.param_groups[1]["params"] == [model[0].weight]
+    handle.restore(optimizers=False)  # before any optimizer step: the group stays, unramped
+    assert opt.param_groups[1]["lr"] == 0.2
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks

@@ -210,6 +210,34 @@ def test_what_each_parameter_is_to_the_spec_is_named() -> None:
     handle.restore()
 
 
+def test_replaced_parameters_are_named_in_model_order_at_most_eight_lines() -> None:
+    # Protected before frozen in the model, frozen first in the spec; a name with a space.
+    layers = {"first layer": nn.Linear(2, 2), **{f"l{i}": nn.Linear(2, 2) for i in range(4)}}
+    model = nn.ModuleDict(layers)
+    handle = IsolationSpec(freeze=["l0", "l1", "l2", "l3"], protect={"aux": ["first layer"]}).apply(
+        model
+    )
+    for layer in model.values():
+        layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+        layer.bias = nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+    with pytest.raises(ReplacedParameterError) as raised:
+        handle.verify(checks=("params",))
+    header, *lines = str(raised.value).splitlines()
+    assert header == (
+        "IsolationSpec: at epoch 0, step 0, the spec's parameters 'first layer.weight', "
+        "'first layer.bias', 'l0.weight', 'l0.bias', 'l1.weight' and 5 more were replaced or "
+        "removed after it was applied:"
+    )
+    assert [line.split(" (")[0] for line in lines[:9]] == [
+        "  first layer.weight",
+        "  first layer.bias",
+        *(f"  l{i}.{w}" for i in range(3) for w in ("weight", "bias")),
+        "The spec holds the old objects: its freeze, thaws and checks do not apply to the new "
+        "ones. Fix: replace parameters before applying the spec",
+    ]
+    handle.restore()
+
+
 def test_the_same_object_under_another_name_is_still_the_specs() -> None:
     import torch.nn.utils.parametrize as parametrize
 
@@ -231,10 +259,12 @@ def test_a_weight_tied_to_another_after_apply_is_named_with_what_it_is_now() -> 
     model["head"].weight = model["embed"].weight  # tied after apply, as tie_weights() does
     with pytest.raises(ReplacedParameterError) as raised:
         handle.verify(checks=("params",))
-    assert str(raised.value).splitlines()[1] == (
+    assert str(raised.value).splitlines()[:2] == [
+        "IsolationSpec: at epoch 0, step 0, the spec's parameter 'head.weight' was replaced or "
+        "removed after it was applied:",
         "  head.weight (frozen): a new object; requires grad (the spec's object: "
-        "requires_grad=False)"
-    )
+        "requires_grad=False)",
+    ]
     handle.restore()
 
 
