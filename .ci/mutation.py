@@ -238,6 +238,16 @@ TESTS: dict[str, list[str]] = {
     # The frame walk of warn_user is checked by test_warning_frames (deselected under mutmut:
     # its trampolines add a frame); the mutants it alone kills are counted outside the selection.
     "isolate/_text.py": ["tests/toolkit/test_text.py", "tests/toolkit/test_warning_frames.py"],
+    # What an audit protects: every audit that takes protect= resolves it here.
+    "isolate/_protected.py": [
+        "tests/toolkit/test_reachability.py",
+        "tests/toolkit/test_gradients.py",
+        "tests/toolkit/test_testing.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_patterns.py",
+        "tests/toolkit/test_audits_in_use.py",
+        "tests/toolkit/test_selectors.py",
+    ],
     # The mode holds: freezing's bn="eval" and every caller that reads or stacks them.
     "isolate/_holding.py": [
         "tests/toolkit/test_holding.py",
