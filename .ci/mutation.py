@@ -240,6 +240,7 @@ TESTS: dict[str, list[str]] = {
     "isolate/_text.py": ["tests/toolkit/test_text.py", "tests/toolkit/test_warning_frames.py"],
     # What an audit protects: every audit that takes protect= resolves it here.
     "isolate/_protected.py": [
+        "tests/toolkit/test_protected.py",
         "tests/toolkit/test_reachability.py",
         "tests/toolkit/test_gradients.py",
         "tests/toolkit/test_testing.py",

@@ -90,15 +90,13 @@ def _module_named(
         for name, p in item.named_parameters(remove_duplicate=False):
             yield prefix + name, p, _owner(item, prefix + name, prefix)
         return
-    prefixes = [n for n, m in model.named_modules(remove_duplicate=False) if m is item]
-    if not prefixes:
+    if not any(m is item for m in model.modules()):
         raise SelectorError(
             f"{caller}: the {type(item).__name__} passed is not a submodule of "
             f"{describe(model)}; pass one of its own modules, or leave out model="
         )
-    start = prefixes[0] + "." if prefixes[0] else ""
-    for name, p in item.named_parameters(remove_duplicate=False):
-        for full in names_of.get(id(p), [start + name]):
+    for p in item.parameters():  # a submodule's parameters are the model's: every alias
+        for full in names_of[id(p)]:
             yield full, p, _owner(model, full)
 
 
