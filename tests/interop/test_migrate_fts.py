@@ -107,6 +107,7 @@ GLOBS: dict[str, str | None] = {
     r"model.encoder.layer.1.output.dense.weight$": "model?encoder?layer?1?output?dense?weight",
     r"layer\.[0-9]\.w$": "layer.[0-9].w",
     r"^model\.classifier\..+": "model.classifier.?*",
+    r"layer\..*\.weight$": "layer.*.weight",
     # An escaped dot or digit last in the pattern, or followed by one character.
     r"model\.classifier\.": "model.classifier.*",
     r"layer\.\d": "layer.[0-9]*",
