@@ -24,7 +24,7 @@ from isolate.cli import main
 from isolate.errors import SpecError
 from isolate.interop.migrate import from_finetuning_scheduler, regex_to_glob
 from isolate.lightning import IsolationCallback
-from tests._launch import child_env
+from tests._launch import REPO, child_env
 from tests.lightning._models import trainer
 
 pytestmark = [
@@ -434,7 +434,7 @@ def test_the_schedule_file_is_read_as_utf8_whatever_the_locale(tmp_path: Path) -
     ascii_locale = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
     done = subprocess.run(
         [sys.executable, "-m", "isolate", "migrate", str(schedule)],
-        cwd=tmp_path,
+        cwd=REPO,  # under mutmut, its trampolines in the child read its configuration there
         env=child_env(ascii_locale),
         capture_output=True,
         text=True,
