@@ -182,6 +182,13 @@ TESTS: dict[str, list[str]] = {
     # replaced); world_size by every check of a handle (cadence, checks) and after a
     # one-process group (test_replaced).
     "isolate/spec/ranks.py": ["tests/spec"],
+    # The converter is called directly (test_migrate), against finetuning-scheduler itself
+    # (test_migrate_fts), and through the migrate verb's options and errors (test_cli).
+    "isolate/interop/migrate.py": [
+        "tests/interop/test_migrate.py",
+        "tests/interop/test_migrate_fts.py",
+        "tests/toolkit/test_cli.py",
+    ],
     # plain_checkpoint and plain_optimizer_state: leaving isolate, and a converted
     # finetuning-scheduler run leaving it with what configure_optimizers returns.
     "isolate/interop/leave.py": [

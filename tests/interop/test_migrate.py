@@ -6,6 +6,7 @@ parses the selectors and thaw fields a converted schedule uses.
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from isolate.cli import main
 from isolate.errors import SpecError
 from isolate.interop.migrate import from_finetuning_scheduler, regex_to_glob
 from isolate.lightning import IsolationCallback
+from tests._launch import REPO, child_env
 from tests.lightning._models import trainer
 
 pytestmark = [
@@ -230,3 +232,215 @@ def test_lightning_cli_parses_the_new_selectors_and_thaw_fields(
         {"name": "trunk.0", "epoch": 1, "global_step": 4},
         {"name": "trunk+!trunk.0", "epoch": 3, "global_step": 12},
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# The converter's output to the key, its refusals to the letter, and the migrate verb.
+
+# Phase 1's latest epoch (0) is over when it starts: phase 2 starts the epoch after.
+LATEST = {
+    0: {"params": ["a.weight"], "max_transition_epoch": 1},
+    1: {"params": ["b.weight"], "max_transition_epoch": 0},
+    2: {"params": ["c.weight"], "lr": 0.5},
+}
+
+
+def test_the_converted_spec_has_every_option_it_was_given_and_no_default() -> None:
+    first = {"select": ["b.weight"], "name": "phase_1", "lr": 1e-5}
+    second = {"select": ["c.weight"], "name": "phase_2", "lr": 0.5}
+    plateau = {"monitor": "val_loss", "patience": 3}
+    assert from_finetuning_scheduler(LATEST) == {
+        "freeze": ["*", "!a.weight"],
+        "bn": "train",
+        "thaw": [
+            {**first, **plateau, "epoch": 1},
+            {**second, **plateau, "carry_best": True, "epoch": 0, "after_previous": 1},
+        ],
+    }
+    given = from_finetuning_scheduler(
+        LATEST, base_max_lr=0.002, monitor="val_acc", patience=1, min_delta=0.1, mode="max"
+    )
+    plateau = {"monitor": "val_acc", "patience": 1, "min_delta": 0.1, "mode": "max"}
+    assert given["thaw"] == [
+        {**first, "lr": 0.002, **plateau, "epoch": 1},
+        {**second, **plateau, "carry_best": True, "epoch": 0, "after_previous": 1},
+    ]
+    epochs = from_finetuning_scheduler(LATEST, epoch_transitions_only=True, bn="eval")
+    assert epochs == {
+        "freeze": ["*", "!a.weight"],
+        "bn": "eval",
+        "thaw": [{**first, "epoch": 1}, {**second, "epoch": 0, "after_previous": 1}],
+    }
+    spec = IsolationSpec.from_dict(epochs)
+    assert [(t.epoch, t.after_previous) for t in spec.thaw] == [(1, 0), (0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "options", "message"),
+    [
+        (["a"], {}, "expected a mapping of phase number -> phase, got ['a']"),
+        ({}, {}, "expected a mapping of phase number -> phase, got {}"),
+        ({"a": {}}, {}, "phase keys must be integers 0..N, got ['a']"),
+        ({0: {"params": ["a"]}, 1: "x"}, {}, "phase 1 must be a mapping, got 'x'"),
+        (
+            {0: {"params": ["a"]}, 1: {"params": ["b"], "new_optimizer": {}}},
+            {},
+            "phase 1 uses ['new_optimizer'], which rebuild the optimizer or the LR scheduler "
+            "mid-run",
+        ),
+        ({0: {"params": "a.weight"}}, {}, "phase 0: params must be a non-empty list"),
+        ({0: {"params": []}}, {}, "phase 0: params must be a non-empty list"),
+        ({0: {"params": [1]}}, {}, "phase 0: params must be a non-empty list"),
+        (
+            {0: {"params": ["weight"]}, 1: {"params": ["nothing"]}},
+            {"model": nn.Linear(1, 1)},
+            "phase 1: 'nothing' matches no parameter name of the model (as "
+            "finetuning-scheduler would refuse it)",
+        ),
+        (
+            {0: {"params": ["a"]}, 1: {"params": ["b"]}},
+            {"epoch_transitions_only": True},
+            "epoch_transitions_only, but phase 0 has no max_transition_epoch, so phase 1 "
+            "would never start; set one",
+        ),
+    ],
+    ids=[
+        "list",
+        "empty",
+        "keys",
+        "phase",
+        "refused-key",
+        "params-string",
+        "params-empty",
+        "params-not-strings",
+        "no-match",
+        "no-latest-epoch",
+    ],
+)
+def test_a_schedule_the_converter_cannot_take_is_refused_naming_the_phase(
+    schedule: Any, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(SpecError) as refused:
+        from_finetuning_scheduler(schedule, **options)
+    assert str(refused.value).startswith(f"from_finetuning_scheduler(): {message}")
+
+
+def migrate(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``isolate migrate argv``: its status, what it printed and what it said on stderr."""
+    try:
+        status = main(["migrate", *argv])
+    except SystemExit as stop:  # argparse's own errors and --help
+        status = stop.code  # type: ignore[assignment]
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+SCHEDULE_FILE = (
+    "0:\n  params: [model.classifier.weight, model.classifier.bias]\n  max_transition_epoch: 2\n"
+    '1:\n  params: ["model\\\\.pooler\\\\..*"]\n  max_transition_epoch: 3\n'
+    "2:\n  params: [model.encoder]\n  lr: 0.5\n"
+)
+
+
+def test_the_migrate_command_passes_every_option_and_writes_the_header(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("s.yaml").write_text(SCHEDULE_FILE)
+    head = (
+        "# isolate spec converted from s.yaml\n"
+        'freeze: ["*", "!model.classifier.weight", "!model.classifier.bias"]\n'
+        "bn: train\nthaw:\n"
+    )
+    assert migrate(capsys, "s.yaml") == (
+        0,
+        head + "  - {select: [model.pooler.*], name: phase_1, lr: 1.0e-05, monitor: val_loss, "
+        "patience: 3, epoch: 2}\n"
+        "  - {select: [model.encoder], name: phase_2, lr: 0.5, monitor: val_loss, patience: 3, "
+        "carry_best: true, epoch: 3, after_previous: 1}\n",
+        "",
+    )
+    options = ["--base-max-lr", "0.002", "--monitor", "val_acc", "--patience", "5"]
+    assert migrate(capsys, "s.yaml", *options) == (
+        0,
+        head + "  - {select: [model.pooler.*], name: phase_1, lr: 0.002, monitor: val_acc, "
+        "patience: 5, epoch: 2}\n"
+        "  - {select: [model.encoder], name: phase_2, lr: 0.5, monitor: val_acc, patience: 5, "
+        "carry_best: true, epoch: 3, after_previous: 1}\n",
+        "",
+    )
+    assert migrate(capsys, "s.yaml", "--epoch-transitions-only", "--base-max-lr", "0.002") == (
+        0,
+        head + "  - {select: [model.pooler.*], name: phase_1, lr: 0.002, epoch: 2}\n"
+        "  - {select: [model.encoder], name: phase_2, lr: 0.5, epoch: 3, after_previous: 1}\n",
+        "",
+    )
+    assert migrate(capsys, "s.yaml", "--base-max-lr", "abc") == (
+        2,
+        "",
+        "isolate migrate: error: argument --base-max-lr: invalid float value: 'abc' "
+        "(see 'isolate migrate --help')\n",
+    )
+
+
+def test_a_schedule_file_that_is_not_yaml_says_where_and_what(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    fix = "; fix the file (a finetuning-scheduler schedule maps phase numbers to params)\n"
+    Path("broken.yaml").write_text("0: {params: [a\n1: x\n")  # the list is not closed
+    assert migrate(capsys, "broken.yaml") == (
+        2,
+        "",
+        "isolate migrate: error: broken.yaml is not valid YAML at line 2: expected ',' or ']', "
+        "but got ':'" + fix,
+    )
+    Path("bell.yaml").write_text("0: \x07\n")  # the reader's error has no problem and no mark
+    assert migrate(capsys, "bell.yaml") == (
+        2,
+        "",
+        "isolate migrate: error: bell.yaml is not valid YAML: unacceptable character #x0007: "
+        'special characters are not allowed in "bell.yaml", position 3' + fix,
+    )
+
+
+def test_the_migrate_help_names_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = migrate(capsys, "--help")
+    assert status == 0
+    out = " ".join(out.split())
+    assert out.startswith(
+        "usage: isolate migrate [-h] [--model module:callable] [--epoch-transitions-only] "
+        "[--base-max-lr BASE_MAX_LR] [--monitor MONITOR] [--patience PATIENCE] schedule "
+    )
+    for line in (
+        "schedule the finetuning-scheduler schedule file (e.g. Model_ft_schedule.yaml)",
+        "--model module:callable build the model (called without arguments) and resolve the "
+        "schedule's regexes against its parameter names, exactly as finetuning-scheduler does",
+        "--epoch-transitions-only phases move only at max_transition_epoch, as FTS's "
+        "epoch_transitions_only",
+        "--base-max-lr BASE_MAX_LR lr of phases that give none (FTS's base_max_lr; default 1e-5)",
+        "--monitor MONITOR metric that ends a phase (default val_loss)",
+        "--patience PATIENCE checks without improvement (default 3)",
+    ):
+        assert line in out
+
+
+def test_the_schedule_file_is_read_as_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text(
+        "# Modèle BERT\n0:\n  params: [a.weight]\n1:\n  params: [b]\n", encoding="utf-8"
+    )
+    # An ASCII locale without Python's UTF-8 mode: open() without an encoding reads ASCII.
+    ascii_locale = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "isolate", "migrate", str(schedule)],
+        cwd=REPO,  # under mutmut, its trampolines in the child read its configuration there
+        env=child_env(ascii_locale),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    spec = IsolationSpec.from_dict(yaml.safe_load(done.stdout))
+    assert spec.freeze == ("*", "!a.weight")
+    assert [t.selectors for t in spec.thaw] == [("b",)]

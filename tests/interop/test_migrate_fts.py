@@ -94,6 +94,42 @@ def test_repeated_digits_are_refused_not_widened() -> None:
         handle.restore()
 
 
+# Each regex and the one glob it becomes, or None where no glob says the same.
+GLOBS: dict[str, str | None] = {
+    # A class, one of several, one of one character, and last in the pattern.
+    r"model\.encoder\.layer\.1[01]\..*": "model.encoder.layer.1[01].*",
+    r"layer\.[01]\.[ab]": "layer.[01].[ab]*",
+    r"layer\.[1]\.w": "layer.[1].w*",
+    r"layer\.[01]": "layer.[01]*",
+    # '^' in a class negates it in a regex and is a literal in a glob.
+    r"layer\.[^0]\.w": None,
+    # A final '$' anchors the glob; a leading '^' is what re.match does anyway.
+    r"model.encoder.layer.1.output.dense.weight$": "model?encoder?layer?1?output?dense?weight",
+    r"layer\.[0-9]\.w$": "layer.[0-9].w",
+    r"^model\.classifier\..+": "model.classifier.?*",
+    r"layer\..*\.weight$": "layer.*.weight",
+    # An escaped dot or digit last in the pattern, or followed by one character.
+    r"model\.classifier\.": "model.classifier.*",
+    r"layer\.\d": "layer.[0-9]*",
+    r"layer\.\dx": "layer.[0-9]x*",
+    r"layer\.\d+": None,
+    r"a\-b\_c\/d": "a-b_c/d*",
+    # A literal, an escaped dot, a digit and a class each followed by a plain 'X'.
+    r"aX\.X\dX[01]X": "aX.X[0-9]X[01]X*",
+    # An unknown escape or a lone backslash last (no valid regex), an escaped '$': refused.
+    r"a\X": None,
+    "a\\": None,
+    r"a.b\$": None,
+    # A glob the selector grammar would read as an exclusion or a type selector.
+    "!x": None,
+    "type:Linear": None,
+}
+
+
+def test_each_regex_becomes_its_one_glob_or_is_refused() -> None:
+    assert {regex: regex_to_glob(regex) for regex in GLOBS} == GLOBS
+
+
 def test_the_converter_command_resolves_regexes_on_a_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
