@@ -54,6 +54,19 @@ WORK = ROOT / ".mutation"
 # The tests that exercise each module. A module not listed here is traced against the test
 # file that mirrors it (tests/<layer>/test_<name>.py) or, failing that, its layer's folder.
 TESTS: dict[str, list[str]] = {
+    # The element-wise arithmetic of drift (dense, sparse, integer, complex, NaN).
+    "isolate/_delta.py": [
+        "tests/toolkit/test_delta.py",
+        "tests/toolkit/test_drift.py",
+        "tests/toolkit/test_fingerprints.py",
+    ],
+    # The flag flip behind freeze / unfreeze / restore (and the handle numbering).
+    "isolate/_flags.py": [
+        "tests/toolkit/test_flags.py",
+        "tests/toolkit/test_freezing.py",
+        "tests/toolkit/test_freezing_properties.py",
+        "tests/toolkit/test_exception_safety.py",
+    ],
     "isolate/fingerprints.py": [
         "tests/toolkit/test_fingerprints.py",
         "tests/toolkit/test_fingerprint_routes.py",

@@ -39,17 +39,23 @@ def abs_difference(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_abs_difference(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """The stored entries of ``new - old`` for sparse tensors, as float64 magnitudes (nonzero
-    wherever the two differ)."""
-    a, b = _widen(to_coo(old)), _widen(to_coo(new))
-    if a.dtype != b.dtype:
-        a, b = a.to(torch.complex128), b.to(torch.complex128)
-    values = (b - a).coalesce().values()
-    return values.to(torch.complex128 if values.is_complex() else torch.float64).abs()
+    """|new - old| at every entry stored on either side, as :func:`abs_difference` has it
+    (float64, integers exact, NaN in both places equal)."""
+    a, b = to_coo(old), to_coo(new)
+    # Both sides on the union of their patterns, so the entries line up for abs_difference.
+    union = (_pattern(a) + _pattern(b)).coalesce()
+    return abs_difference(a.sparse_mask(union).values(), b.sparse_mask(union).values())
+
+
+def _pattern(t: torch.Tensor) -> torch.Tensor:
+    ones = torch.ones_like(t.values(), dtype=torch.int8)
+    return torch.sparse_coo_tensor(
+        t.indices(), ones, t.shape, is_coalesced=True, check_invariants=False
+    )
 
 
 def moved_elements(old: torch.Tensor, new: torch.Tensor, atol: float) -> int:
     old, new = local_tensor(old), local_tensor(new).to(old.device)
-    if old.layout != torch.strided or new.layout != torch.strided:
-        return int((sparse_abs_difference(old, new) > atol).sum())
-    return int((~(abs_difference(old, new) <= atol)).sum())
+    sparse = old.layout != torch.strided or new.layout != torch.strided
+    diff = sparse_abs_difference(old, new) if sparse else abs_difference(old, new)
+    return int((~(diff <= atol)).sum())  # NaN on one side only is a move

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from isolate._delta import moved_elements, sparse_abs_difference
+from isolate._delta import abs_difference, moved_elements, sparse_abs_difference
+
+NAN = float("nan")
 
 
 def test_sparse_tensors_of_different_dtypes_are_compared_by_value() -> None:
@@ -15,3 +17,44 @@ def test_sparse_tensors_of_different_dtypes_are_compared_by_value() -> None:
     assert moved_elements(old, new, atol=0.5) == 0
     complex_new = torch.tensor([1 + 1j, 0, 3]).to_sparse()
     assert sparse_abs_difference(old, complex_new).tolist() == [1.0, 0.0]
+
+
+def test_integers_are_subtracted_exactly_across_the_whole_int64_range() -> None:
+    # 2**62 - (-2**63) wraps in int64; 0 - (-2**63) has no int64 magnitude.
+    old = torch.tensor([-(2**63), 0, 5, 2**61 - 1])
+    new = torch.tensor([2**62, -(2**63), 5, 2**61 - 2])
+    diff = abs_difference(old, new)
+    assert diff.dtype == torch.float64
+    assert diff.tolist() == [3.0 * 2**62, 2.0**63, 0.0, 1.0]
+    assert moved_elements(old, new, atol=0.0) == 3
+    assert moved_elements(old, new, atol=2.0**63) == 1
+
+
+def test_low_precision_floats_are_subtracted_in_float64() -> None:
+    # In float16, 65504 - (-65504) overflows to inf.
+    old = torch.tensor([-65504.0, 1.0, NAN, 2.0], dtype=torch.float16)
+    new = torch.tensor([65504.0, 1.0, NAN, NAN], dtype=torch.float16)
+    diff = abs_difference(old, new)
+    assert diff.dtype == torch.float64
+    assert diff[:3].tolist() == [131008.0, 0.0, 0.0] and diff[3].isnan()
+    assert moved_elements(old, new, atol=131008.0) == 1  # only the NaN
+
+
+def test_sparse_and_dense_count_the_same_elements_as_moved() -> None:
+    # A NaN on one side is a move, NaN on both sides is not, on every layout and pairing.
+    old = torch.tensor([[1.0, NAN, 0.0, 2.0, NAN]])
+    new = torch.tensor([[NAN, NAN, 0.0, 2.5, 0.0]])
+    for a in (old, old.to_sparse()):
+        for b in (new, new.to_sparse(), new.to_sparse_csr()):
+            assert moved_elements(a, b, atol=0.0) == 3, (a.layout, b.layout)
+            assert moved_elements(a, b, atol=1.0) == 2, (a.layout, b.layout)
+
+
+def test_sparse_entries_on_different_index_sets_are_compared_like_dense_ones() -> None:
+    old = torch.tensor([NAN, 1.0, 0.0, -(2**63)]).to_sparse()
+    new = torch.tensor([NAN, 0.0, 5.0, 2**62]).to_sparse()
+    assert sparse_abs_difference(old, new).tolist() == [0.0, 1.0, 5.0, 3.0 * 2**62]
+    old_int = torch.tensor([-(2**63), 0, 4]).to_sparse()
+    new_int = torch.tensor([2**62, 7, 4]).to_sparse()
+    assert sparse_abs_difference(old_int, new_int).tolist() == [3.0 * 2**62, 7.0, 0.0]
+    assert moved_elements(old_int, new_int, atol=7.0) == 1
