@@ -41,7 +41,7 @@ def abs_difference(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def sparse_abs_difference(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """|new - old| at every entry stored on either side, as :func:`abs_difference` has it
     (float64, integers exact, NaN in both places equal)."""
-    a, b = to_coo(old), to_coo(new)
+    a, b = _widen(to_coo(old)), _widen(to_coo(new))
     # Both sides on the union of their patterns, so the entries line up for abs_difference.
     union = (_pattern(a) + _pattern(b)).coalesce()
     return abs_difference(a.sparse_mask(union).values(), b.sparse_mask(union).values())

@@ -58,3 +58,14 @@ def test_sparse_entries_on_different_index_sets_are_compared_like_dense_ones() -
     new_int = torch.tensor([2**62, 7, 4]).to_sparse()
     assert sparse_abs_difference(old_int, new_int).tolist() == [3.0 * 2**62, 7.0, 0.0]
     assert moved_elements(old_int, new_int, atol=7.0) == 1
+    flags = torch.tensor([True, False, True]).to_sparse()
+    assert sparse_abs_difference(flags, torch.tensor([False, True, True]).to_sparse()).tolist() == [
+        1.0,
+        1.0,
+        0.0,
+    ]
+    hybrid = torch.eye(2).to_sparse(1)  # one sparse dimension, rows stored densely
+    assert sparse_abs_difference(hybrid, (2 * torch.eye(2)).to_sparse(1)).tolist() == [
+        [1.0, 0.0],
+        [0.0, 1.0],
+    ]
