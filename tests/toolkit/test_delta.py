@@ -77,9 +77,11 @@ def test_sparse_entries_on_different_index_sets_are_compared_like_dense_ones() -
 
 def test_a_sparse_buffer_gone_nan_is_reported_with_its_moved_entries() -> None:
     model = nn.Module()
-    model.register_buffer("coo", torch.sparse_coo_tensor([[0, 2]], [NAN, 2.0], (4,)))
+    model.register_buffer(
+        "coo", torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([NAN, 2.0]), (4,))
+    )
     before = snapshot(model)
-    model.coo = torch.sparse_coo_tensor([[0, 3]], [NAN, NAN], (4,))
+    model.coo = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([NAN, NAN]), (4,))
     assert before.changed() == {"coo": pytest.approx(NAN, nan_ok=True)}
     with pytest.raises(DriftError, match=r"coo .*max\|Δ\|=nan in 2 of 4 elements"):
         before.assert_unchanged()
