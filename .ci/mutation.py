@@ -258,6 +258,8 @@ TESTS: dict[str, list[str]] = {
     # The frame walk of warn_user is checked by test_warning_frames (deselected under mutmut:
     # its trampolines add a frame); the mutants it alone kills are counted outside the selection.
     "isolate/_text.py": ["tests/toolkit/test_text.py", "tests/toolkit/test_warning_frames.py"],
+    # The named losses' check: verify's tests, and the handle's loop that calls it.
+    "isolate/spec/loss_checks.py": ["tests/spec"],
     # What an audit protects: every audit that takes protect= resolves it here.
     "isolate/_protected.py": [
         "tests/toolkit/test_protected.py",
