@@ -85,3 +85,12 @@ def test_an_integer_weight_must_be_merged_exactly() -> None:
     merged[1, 3] += 1  # an integer has no rounding to hide a unit in
     off = check_merge(w, merged, a, b, scale=2.0, transposed=False, ulps=2)
     assert (off.ok, off.bad_rows, off.bad_count) == (False, [1], 1)
+
+
+def test_a_complex_weight_is_never_certified_merged_from_its_real_part() -> None:
+    w = torch.randn(3, 4, dtype=torch.complex64)
+    a, b = torch.zeros(R, 4, dtype=torch.complex64), torch.ones(3, R, dtype=torch.complex64)
+    merged = w + 1j  # the real part exact, the imaginary part moved
+    with pytest.warns(UserWarning, match="discards the imaginary part"):
+        check = check_merge(w, merged, a, b, scale=1.0, transposed=False, ulps=2)
+    assert not check.ok and check.bad_rows == [0, 1, 2]
