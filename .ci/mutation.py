@@ -326,6 +326,12 @@ TESTS: dict[str, list[str]] = {
         "tests/toolkit/test_drift.py",
         "tests/toolkit/test_patterns.py",
     ],
+    # Every certificate test builds, opens and judges checkpoints through certify() or the
+    # command line (about 5 s in all for the fast ones), so the whole folder traces each.
+    "isolate/certificates/filehash.py": ["tests/certificates"],
+    "isolate/certificates/opening.py": ["tests/certificates"],
+    "isolate/certificates/engine.py": ["tests/certificates"],
+    "isolate/certificates/merge.py": ["tests/certificates"],
 }
 
 
