@@ -173,12 +173,18 @@ class Checkpoint(abc.ABC):
 
 def choose_group(entries: Mapping[str, Kind], key: str | None, where: str) -> str | None:
     """Which top-level group holds the weights: ``key`` if given (``""`` or ``None``: the top
-    level), else the top level when it holds tensors, else the first of :data:`GROUPS`."""
-    if key is not None and key != "auto":
-        if key == "":
+    level, which must then hold tensors), else (``"auto"``) the top level when it holds
+    tensors, else the first of :data:`GROUPS`."""
+    groups = sorted(k for k, v in entries.items() if v == "group")
+    if key is None or key == "":
+        if any(kind == "tensor" for kind in entries.values()):
             return None
+        raise CheckpointReadError(
+            f"{where}: holds no tensors at its top level, which key={key!r} reads; "
+            + _groups_hint(groups)
+        )
+    if key != "auto":
         if entries.get(key) != "group":
-            groups = sorted(k for k, v in entries.items() if v == "group")
             raise CheckpointReadError(
                 f"{where}: has no group {key!r} of tensors; its groups are {groups} "
                 f"(give key=None for the top level)"
@@ -189,8 +195,13 @@ def choose_group(entries: Mapping[str, Kind], key: str | None, where: str) -> st
     for group in GROUPS:
         if entries.get(group) == "group":
             return group
-    groups = sorted(k for k, v in entries.items() if v == "group")
     raise CheckpointReadError(
         f"{where}: holds no tensors at its top level and none of the groups {list(GROUPS)}; "
-        f"its groups are {groups}: name the one with the weights, e.g. key={groups[:1] or ['']}"
+        + _groups_hint(groups)
     )
+
+
+def _groups_hint(groups: list[str]) -> str:
+    if not groups:
+        return "it holds no group of tensors either"
+    return f"its groups are {groups}: name the one with the weights, e.g. key={groups[0]!r}"

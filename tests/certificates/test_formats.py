@@ -75,6 +75,45 @@ def test_groups_that_hold_the_weights(tmp_path: Path) -> None:
         assert set(reader.metas) == {*prefixed, "extra"}
 
 
+
+def test_key_none_reads_the_top_level_only_and_refuses_one_without_tensors(
+    tmp_path: Path,
+) -> None:
+    state = base_state()
+    torch.save({"epoch": 3, "state_dict": state}, tmp_path / "run.ckpt")
+    for key in (None, ""):
+        with pytest.raises(CheckpointReadError) as error:
+            open_checkpoint(tmp_path / "run.ckpt", key=key)
+        assert str(error.value) == (
+            f"run.ckpt: holds no tensors at its top level, which key={key!r} reads; its groups "
+            "are ['state_dict']: name the one with the weights, e.g. key='state_dict'"
+        )
+    torch.save({"scale": torch.ones(2), "state_dict": state}, tmp_path / "mixed.ckpt")
+    with open_checkpoint(tmp_path / "mixed.ckpt", key=None) as reader:
+        assert list(reader.metas) == ["scale"]
+        assert reader.skipped == ["state_dict"]
+    with open_checkpoint(tmp_path / "mixed.ckpt", key="state_dict") as reader:
+        assert list(reader.metas) == list(state)
+
+
+def test_a_file_with_no_tensors_where_auto_looks_names_its_groups_or_says_it_has_none(
+    tmp_path: Path,
+) -> None:
+    torch.save({"epoch": 3, "weights": base_state()}, tmp_path / "w.ckpt")
+    with pytest.raises(CheckpointReadError) as error:
+        open_checkpoint(tmp_path / "w.ckpt")
+    assert str(error.value) == (
+        "w.ckpt: holds no tensors at its top level and none of the groups ['state_dict', "
+        "'model', 'module']; its groups are ['weights']: name the one with the weights, "
+        "e.g. key='weights'"
+    )
+    with open_checkpoint(tmp_path / "w.ckpt", key="weights") as reader:
+        assert "head.weight" in reader.metas
+    torch.save({"epoch": 3}, tmp_path / "e.ckpt")
+    for key in ("auto", None):
+        with pytest.raises(CheckpointReadError, match=r"it holds no group of tensors either$"):
+            open_checkpoint(tmp_path / "e.ckpt", key=key)
+
 def _hash(path: Path, kind: str) -> str:
     data = path.read_bytes()
     if kind == "xxh3":
