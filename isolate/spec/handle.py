@@ -148,10 +148,13 @@ class IsolationHandle:
 
         Raises:
             RestoreError: a :func:`~isolate.freeze` made after :meth:`start` or after a thaw
-                still holds parameters the spec froze or thawed (restore that first);
-                nothing was undone then.
+                still holds parameters the spec froze or thawed (restore that first), or
+                (with ``optimizers=True``) an attached optimizer lost param groups since
+                :meth:`attach`; nothing was undone then.
         """
         self._thaws.check_restore(self._freeze)
+        if optimizers:
+            self._link.check_restore()
         settle(self.plan.model)
         self._step_guard.remove()
         self.contracts.restore()

@@ -16,7 +16,7 @@ from torch import nn
 
 import isolate.spec.lr_schedulers as lr_schedulers
 from isolate._text import shown
-from isolate.errors import IsolationTypeError, SpecError
+from isolate.errors import IsolationTypeError, RestoreError, SpecError
 from isolate.exposure import steps_without_grad, unwrap_optimizer, zero_grad_risks
 from isolate.spec.clock import Shaper
 from isolate.spec.plan import Group, Plan
@@ -445,8 +445,26 @@ class OptimizerLink:
             shaper.remove()
         self.shapers.clear()
 
+    def check_restore(self) -> None:
+        """Raise what :meth:`restore` would; change nothing.
+
+        Raises:
+            RestoreError: an optimizer has fewer param groups than at :meth:`attach` (its
+                groups can no longer be matched to what they held).
+        """
+        for i, (opt, groups) in enumerate(self._before):
+            if len(opt.param_groups) < len(groups):
+                raise RestoreError(
+                    f"{self.caller}: optimizer {i} has {len(opt.param_groups)} param groups, "
+                    f"fewer than the {len(groups)} it had when attached, so the parameters "
+                    f"taken out of them cannot be put back; restore(optimizers=False) "
+                    f"restores the rest and leaves the optimizers as they are"
+                )
+
     def restore(self) -> None:
-        """Put every param group back as it was at :meth:`attach`."""
+        """Put every param group back as it was at :meth:`attach` (:meth:`check_restore`
+        first)."""
+        self.check_restore()
         self.release()
         for opt, groups in self._before:
             self._forget(opt, range(len(groups), len(opt.param_groups)))

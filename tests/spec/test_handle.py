@@ -185,6 +185,33 @@ def test_a_restore_a_newer_freeze_blocks_is_refused_before_anything_is_undone(
     assert groups_of(opt) == groups and not handle.active
 
 
+def test_a_restore_into_an_optimizer_that_lost_a_group_is_refused_before_anything_is_undone() -> (
+    None
+):
+    model = Net()
+    opt = torch.optim.SGD(
+        [{"params": model.trunk.parameters()}, {"params": model.head.parameters(), "lr": 0.5}],
+        lr=0.1,
+    )
+    before = state_of(model)
+    handle = SPEC.apply(model, optimizer=opt)
+    opt.param_groups.pop()  # the user's own surgery after attach
+    applied, applied_groups = state_of(model), groups_of(opt)
+    with pytest.raises(RestoreError) as error:
+        handle.restore()
+    assert str(error.value) == (
+        "IsolationSpec: optimizer 0 has 1 param groups, fewer than the 2 it had when attached, "
+        "so the parameters taken out of them cannot be put back; restore(optimizers=False) "
+        "restores the rest and leaves the optimizers as they are"
+    )
+    assert_same(applied, state_of(model))  # the freeze and the wrapper stand
+    assert groups_of(opt) == applied_groups and handle.active
+    handle.restore(optimizers=False)
+    model.eval().train()
+    assert_same(before, state_of(model))
+    assert groups_of(opt) == applied_groups and not handle.active
+
+
 def test_applied_restores_on_exceptions() -> None:
     model = Net()
     before = state_of(model)
