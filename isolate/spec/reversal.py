@@ -111,7 +111,7 @@ class Reversal(Clauses):
             )
         scale = float(contract.scale or 0.0)
         expected = -scale * at_inputs
-        eps = torch.finfo(features[0].dtype).eps if features[0].is_floating_point() else 0.0
+        eps = max(torch.finfo(t.dtype).eps for t in wanted)  # the coarsest gradient compared
         tol = 8 * eps * (at_features.abs() + expected.abs()) + eps * float(expected.abs().max())
         if bool(((at_features - expected).abs() <= tol).all()):
             return None
