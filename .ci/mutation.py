@@ -222,6 +222,16 @@ TESTS: dict[str, list[str]] = {
     "isolate/lightning/callback.py": ["tests/lightning"],
     # what_trains is called only by these (the fault matrix never calls it).
     "isolate/peft/report.py": ["tests/peft/test_spec.py", "tests/peft/test_report.py"],
+    # spec_for and check_flags are called in one process by the spec tests and the example
+    # under transformers' Trainer; the fault matrix (a minute of fits per mutant) is left out.
+    "isolate/peft/spec.py": ["tests/peft/test_spec.py", "tests/transformers/test_example.py"],
+    # layout is read by spec_for, check_flags and what_trains (the fault matrix left out).
+    "isolate/peft/layout.py": [
+        "tests/peft/test_layout.py",
+        "tests/peft/test_spec.py",
+        "tests/peft/test_report.py",
+        "tests/transformers/test_example.py",
+    ],
     # Every handle wraps its plan's branches; the callbacks and leaving isolate unwrap them.
     "isolate/spec/branches.py": [
         "tests/spec",

@@ -192,13 +192,13 @@ def layout(model: nn.Module, *, caller: str = "layout()") -> Layout:
             original = getattr(module, "original_module", None)
             for p in original.parameters() if original is not None else ():
                 parts.setdefault(id(p), Part("original", module=mname))
+    active_model = _model_active(model, adapters)
+    _prompt_encoders(model, parts, active_model, adapters)
     if not parts:
         raise IsolationTypeError(
             f"{caller}: {type(model).__name__} holds no PEFT tuner layer or modules_to_save "
             f"wrapper; wrap it first: peft.get_peft_model(model, config)"
         )
-    active_model = _model_active(model, adapters)
-    _prompt_encoders(model, parts, active_model, adapters)
     _biases(model, tuner, parts, active_model)
     out = {
         name: parts.get(id(p), Part("base", module=name.rpartition(".")[0]))

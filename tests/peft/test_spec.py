@@ -3,6 +3,7 @@ the proofs while training (tokens rows bitwise still under AdamW with weight dec
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -352,3 +353,285 @@ def test_a_weight_the_variant_freezes_is_not_expected_to_train() -> None:
     parts = layout(model).parts
     assert not parts["base_model.model.0.lora_A.default.weight"].trains
     assert parts["base_model.model.0.lora_B.default.weight"].trains
+
+
+def _injected() -> torch.nn.Module:
+    """LoRA injected by hand into module ``0`` of a plain model (no ``PeftModel`` around it):
+    top-level module names, and ``2`` a frozen module with modules inside."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 4),
+        torch.nn.ReLU(),
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+    )
+    net = inject_adapter_in_model(LoraConfig(r=2, target_modules="0"), net)
+    for name, p in net.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return net
+
+
+def test_mode_names_each_largest_frozen_module_once_even_at_the_top() -> None:
+    spec = spec_for(_injected(), mode="eval")
+    tensors = ("0.base_layer.weight", "0.base_layer.bias")
+    tensors += ("2.0.weight", "2.0.bias", "2.1.weight", "2.1.bias")
+    assert spec.freeze == (*tensors, "0.base_layer", "2")
+
+
+def test_the_contract_trains_the_active_adapters_within_two_steps_by_default() -> None:
+    model = _two_adapters()
+    model.base_model.set_adapter(["default", "other"])
+    (contract,) = spec_for(model).contracts
+    assert (contract.kind, contract.name, contract.within) == ("trains", "peft:default,other", 2)
+    assert spec_for(model, within=5).contracts[0].within == 5
+
+
+def _hot_base(model: torch.nn.Module, count: int) -> list[str]:
+    names = [n for n, p in model.named_parameters() if ".layers." in n and "lora_" not in n]
+    names = names[:count]
+    for name in names:
+        model.get_parameter(name).requires_grad_(True)
+    return names
+
+
+def test_a_long_list_of_tensors_shows_six_and_counts_the_rest() -> None:
+    model = lora_llama()
+    names = _hot_base(model, 8)
+    with pytest.raises(AdapterStateError) as e:
+        check_flags(model)
+    assert f"8 base tensors require grad: {names[:6]} and 2 more; PEFT froze" in str(e.value)
+
+
+def test_a_list_of_six_tensors_is_shown_whole() -> None:
+    model = lora_llama()
+    names = _hot_base(model, 6)
+    with pytest.raises(AdapterStateError) as e:
+        check_flags(model)
+    assert f"6 base tensors require grad: {names}; PEFT froze" in str(e.value)
+
+
+def test_a_mixed_module_refusal_names_each_module_its_class_and_an_adapter_tensor() -> None:
+    """LoRA's own dropout (p=0.1, read in train mode) is let through wherever it comes."""
+    model = lora_llama(lora={"lora_dropout": 0.1})
+    attention = "base_model.model.model.layers.{}.self_attn (LlamaAttention)"
+    q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    with pytest.raises(SpecError) as e:
+        spec_for(model, mode="eval")
+    assert str(e.value).startswith(
+        f"spec_for(): mode='eval' cannot hold 2 mode-dependent modules in eval mode: "
+        f"{[attention.format(0), attention.format(1)]}; each reads .training in its own "
+        f"forward and holds tensors the adapter trains (as {q!r}), and a spec holds"
+    )
+
+
+class _Shift(torch.nn.Module):
+    """A learned shift added in train mode only: it reads ``.training`` and holds one bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias if self.training else x
+
+
+def test_a_mode_dependent_module_the_config_trains_whole_follows_the_model() -> None:
+    """``bias="all"`` trains the shift's only tensor: the module is the adapter's, not mixed."""
+    from peft import LoraConfig, get_peft_model
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _Shift(), torch.nn.Linear(4, 2, bias=False))
+    model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"], bias="all"))
+    spec = spec_for(model, mode="eval")
+    assert "base_model.model.1.bias" in spec.contracts[0].select
+    handle = spec.apply(model)
+    try:
+        model.train()
+        model(torch.randn(2, 4))
+        assert held_in_eval(model) == () and model.base_model.model[1].training
+    finally:
+        handle.restore()
+
+
+def test_mode_freezes_a_prompt_tuned_base_whole_by_one_name() -> None:
+    """The base holds every frozen tensor and nothing else: the spec names it alone."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_llama(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    )
+    spec = spec_for(model, mode="eval")
+    frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
+    assert spec.freeze == (*frozen, "base_model")
+
+
+class _Block(torch.nn.Module):
+    """A scale of its own, a dropout and a linear layer (that LoRA adapts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.drop = torch.nn.Dropout(0.1)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.drop(x)) * self.scale
+
+
+def test_a_dropout_beside_an_adapted_layer_is_refused_though_its_parent_holds_a_base_tensor() -> (
+    None
+):
+    """The block holds a frozen tensor of its own: that makes it no module PEFT inserted."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_Block(), LoraConfig(r=2, target_modules=["lin"]))
+    with pytest.raises(
+        SpecError,
+        match=r"cannot hold 1 mode-dependent modules in eval mode: "
+        r"\['base_model\.model\.drop \(Dropout\)'\]",
+    ):
+        spec_for(model, mode="eval")
+
+
+def _noise_layer() -> torch.nn.Module:
+    """A tuner layer of PEFT's kind that holds nothing but its adapter's tensor and reads its
+    mode (a learned offset added in train mode only)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    class Noise(torch.nn.Module, BaseTunerLayer):  # type: ignore[misc]
+        adapter_layer_names = ("offset",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.offset = torch.nn.ParameterDict({"default": torch.nn.Parameter(torch.zeros(4))})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.offset["default"] if self.training else x
+
+    return Noise()
+
+
+def test_a_mode_dependent_tuner_layer_holding_every_trained_tensor_follows_the_model() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4).requires_grad_(False), _noise_layer())
+    spec = spec_for(net, mode="eval")
+    assert spec.freeze == ("0.weight", "0.bias", "0")
+    assert spec.contracts[0].select == ("1.offset.default",)
+
+
+def test_an_adapter_that_trains_while_none_is_active_is_named_with_its_own_set_adapter() -> None:
+    net = _injected()  # the model knows no active adapter; the layer is told to use none
+    net[0].enable_adapters(False)
+    net[0].lora_A["default"].weight.requires_grad_(True)
+    net[0].lora_B["default"].weight.requires_grad_(True)
+    with pytest.raises(AdapterStateError) as e:
+        check_flags(net)
+    assert str(e.value) == (
+        "check_flags(): adapter 'default' is not active, and none is, but 2 of its tensors "
+        "require grad: ['0.lora_A.default.weight', '0.lora_B.default.weight']. "
+        "Fix: model.set_adapter('default')"
+    )
+
+
+def test_a_trainable_original_kept_by_modules_to_save_is_named_as_a_base_tensor() -> None:
+    model = lora_llama(lora={"modules_to_save": ["lm_head"]})
+    original = "base_model.model.lm_head.original_module.weight"
+    model.get_parameter(original).requires_grad_(True)
+    with pytest.raises(AdapterStateError) as e:
+        check_flags(model)
+    assert str(e.value).startswith(f"check_flags(): 1 base tensors require grad: [{original!r}];")
+    assert str(e.value).endswith("so that PEFT trains a copy and keeps the original.")
+
+
+def test_only_a_trainable_embedding_is_told_of_trainable_token_indices() -> None:
+    model = lora_llama()
+    model.get_input_embeddings().weight.requires_grad_(True)
+    with pytest.raises(AdapterStateError) as e:
+        check_flags(model)
+    assert str(e.value).endswith(
+        "keeps the original. To train some rows of an embedding, give PEFT "
+        "trainable_token_indices (a weight decay cannot move the other rows then; a gradient "
+        "mask does not stop it)."
+    )
+
+
+def test_adapters_that_train_nothing_are_refused_by_name() -> None:
+    model = lora_llama()
+    model.base_model.disable_adapter_layers()  # every layer uses no adapter, flags off
+    with pytest.raises(SpecError) as e:
+        spec_for(model)
+    assert str(e.value) == (
+        "spec_for(): the active adapters ['default'] hold no tensor to train (of the adapters "
+        "['default']); set one active: model.set_adapter(name)"
+    )
+
+
+def test_keys_of_the_spec_pass_through_and_freeze_and_contracts_add_to_the_derived() -> None:
+    model = lora_llama()
+    head = "base_model.model.lm_head"
+    teacher = {"kind": "teacher", "select": head}
+    spec = spec_for(model, freeze=head, contracts=teacher, mode="train")
+    assert spec.freeze == (*spec_for(model, mode="train").freeze, head)
+    assert [(c.kind, c.name) for c in spec.contracts] == [
+        ("trains", "peft:default"),
+        ("teacher", f"teacher:{head}"),
+    ]
+    assert spec.mode == "train"
+    with pytest.raises(SpecError) as e:
+        spec_for(model, frz=head, bogus=1)
+    assert str(e.value) == "spec_for(): ['bogus', 'frz'] are not keys of IsolationSpec"
+
+
+def test_every_problem_of_a_model_is_named_on_its_own_line() -> None:
+    model = _two_adapters()
+    norm = "base_model.model.model.norm.weight"
+    model.get_parameter(norm).requires_grad_(True)
+    for name, p in model.named_parameters():
+        if ".other." in name:
+            p.requires_grad_(True)
+    with pytest.raises(AdapterStateError) as e:
+        check_flags(model, caller="mine()")
+    first, second = str(e.value).split("\n")
+    assert first.startswith(f"mine(): 1 base tensors require grad: [{norm!r}];")
+    assert second.startswith("adapter 'other' is not active (active: ['default']) but 8 of")
+
+
+def test_an_inactive_adapters_copy_of_a_tied_head_is_no_untying() -> None:
+    """Only the copy that trains unties the head from its embedding."""
+    from peft import LoraConfig
+
+    model = lora_llama(tied=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # PEFT's warning about the tied head
+        model.add_adapter(
+            "other", LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+        )
+    found = check_flags(model)
+    assert found.parts["base_model.model.lm_head.modules_to_save.other.weight"].trains is False
+
+
+def test_a_head_tied_to_an_embedding_that_comes_after_it_is_named() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    net = torch.nn.ModuleDict(
+        {
+            "head": torch.nn.Linear(4, 8, bias=False),
+            "mid": torch.nn.Linear(4, 4),
+            "embed": torch.nn.Embedding(8, 4),
+        }
+    )
+    net["head"].weight = net["embed"].weight  # the head's name comes first
+    model = get_peft_model(net, LoraConfig(r=2, target_modules=["mid"], modules_to_save=["head"]))
+    with pytest.raises(
+        AdapterStateError, match=r"weight is tied to 'base_model\.model\.embed\.weight'"
+    ):
+        check_flags(model)
+
+
+def test_a_tensor_only_the_trained_copy_holds_is_not_looked_for_in_the_original() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model = get_peft_model(net, LoraConfig(r=2, target_modules=["0"], modules_to_save=["2"]))
+    copy = model.base_model.model[2].modules_to_save["default"]
+    copy.register_parameter("scale", torch.nn.Parameter(torch.ones(2)))
+    found = check_flags(model)
+    assert found.parts["base_model.model.2.modules_to_save.default.scale"].role == "saved"
