@@ -164,10 +164,12 @@ def layout(model: nn.Module, *, caller: str = "layout()") -> Layout:
     first = {id(p): n for n, p in named.items()}
     parts: dict[int, Part] = {}
     adapters: set[str] = set()
+    layers_active: set[str] = set()
     for mname, module in model.named_modules():
         if not isinstance(module, (tuner, wrapper)):
             continue
         active = _active(module)
+        layers_active |= active
         frozen_by_variant = getattr(module, "frozen_peft_weight_names", None) or {}
         role = "saved" if saved_type is not None and isinstance(module, saved_type) else "adapter"
         is_tokens = (tokens_type is not None and isinstance(module, tokens_type)) or hasattr(
@@ -192,7 +194,7 @@ def layout(model: nn.Module, *, caller: str = "layout()") -> Layout:
             original = getattr(module, "original_module", None)
             for p in original.parameters() if original is not None else ():
                 parts.setdefault(id(p), Part("original", module=mname))
-    active_model = _model_active(model, adapters)
+    active_model = _model_active(model, layers_active)
     _prompt_encoders(model, parts, active_model, adapters)
     if not parts:
         raise IsolationTypeError(
@@ -213,12 +215,15 @@ def layout(model: nn.Module, *, caller: str = "layout()") -> Layout:
     )
 
 
-def _model_active(model: nn.Module, adapters: set[str]) -> set[str]:
+def _model_active(model: nn.Module, layers_active: set[str]) -> set[str]:
+    """The model's ``active_adapters``; where it has none (LoRA put in by
+    ``peft.inject_adapter_in_model``, or a transformers model's method of that name), the
+    adapters active in its layers."""
     active = getattr(model, "active_adapters", None)
     if callable(active):  # a transformers model's method, not PEFT's property
         active = None
     if active is None:
-        return set()
+        return layers_active
     return {active} if isinstance(active, str) else set(active)
 
 

@@ -68,3 +68,25 @@ def test_a_prompt_learning_model_trains_its_prompt_encoder_and_keeps_the_base_st
         assert handle.tally.last["reach"].reach == len(encoder)
     finally:
         handle.restore()
+
+
+
+def test_lora_injected_without_a_peft_model_names_the_adapters_active_in_its_layers() -> None:
+    """``peft.inject_adapter_in_model`` leaves no ``PeftModel`` (no ``active_adapters``) around
+    the model: the layers' active adapters stand for the model's (it was none, and the
+    contract was named ``peft:``)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    net = inject_adapter_in_model(LoraConfig(r=2, target_modules=["0", "2"]), net)
+    found = layout(net)
+    assert (found.active, found.adapters) == (("default",), ("default",))
+    (contract,) = spec_for(net).contracts
+    assert contract.name == "peft:default"
+    net[0].enable_adapters(False)
+    found = layout(net)
+    assert found.active == ("default",)  # still active in layer 2
+    assert not found.parts["0.lora_A.default.weight"].active
+    assert found.parts["2.lora_A.default.weight"].active
+    net[2].enable_adapters(False)
+    assert layout(net).active == ()
