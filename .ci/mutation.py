@@ -219,7 +219,22 @@ TESTS: dict[str, list[str]] = {
     "isolate/lightning/preflight.py": ["tests/lightning"],
     "isolate/lightning/metrics.py": ["tests/lightning"],
     "isolate/lightning/notices.py": ["tests/lightning"],
-    "isolate/lightning/callback.py": ["tests/lightning"],
+    # Every Trainer test of the callback's hooks, but not test_resume (half of the folder's
+    # test time, re-run by every survivor; the resume survivors are checked against it by hand)
+    # nor test_unified (the same fits again under both Lightning packages).
+    "isolate/lightning/callback.py": [
+        "tests/lightning/test_callback.py",
+        "tests/lightning/test_callback_errors.py",
+        "tests/lightning/test_contracts_callback.py",
+        "tests/lightning/test_checkpoint.py",
+        "tests/lightning/test_replaced.py",
+        "tests/lightning/test_losses.py",
+        "tests/lightning/test_metrics.py",
+        "tests/lightning/test_notices.py",
+        "tests/lightning/test_preflight.py",
+        "tests/lightning/test_strategies.py",
+        "tests/lightning/test_backbone_finetuning.py",
+    ],
     # what_trains is called only by these (the fault matrix never calls it).
     "isolate/peft/report.py": ["tests/peft/test_spec.py", "tests/peft/test_report.py"],
     # spec_for and check_flags are called in one process by the spec tests and the example

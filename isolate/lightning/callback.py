@@ -164,11 +164,11 @@ class IsolationCallback(Callback):
         self._modes = [(m, m.training) for m in pl_module.modules()]
         if applies_at_fit_start(trainer):  # FSDP2: configure_model replaces the parameters
             return
-        self._apply(pl_module)
+        handle = self._apply(pl_module)
         # A resume loads the weights before callbacks see the checkpoint: check it first.
-        self.saved.check_before_weights(trainer, self.state_key, self._handle())
+        self.saved.check_before_weights(trainer, self.state_key, handle)
 
-    def _apply(self, pl_module: pl.LightningModule) -> None:
+    def _apply(self, pl_module: pl.LightningModule) -> IsolationHandle:
         self.handle = apply_spec(self.spec, pl_module, caller=_CALLER, warn=_warn, drift=self.drift)
         self.verdicts = self.handle.contracts.verdicts  # updated in place, kept after teardown
         self.tally = self.handle.tally
@@ -183,10 +183,6 @@ class IsolationCallback(Callback):
                 "training_step"
             ),
         )
-
-    def _handle(self) -> IsolationHandle:
-        if self.handle is None:  # pragma: no cover - every caller checks first
-            raise SpecError(f"{_CALLER}: the spec is not applied")
         return self.handle
 
     def _restore(self) -> None:

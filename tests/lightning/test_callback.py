@@ -8,28 +8,36 @@ trunk -> aux; 64 samples in batches of 16 make 4 optimizer steps per epoch.
 from __future__ import annotations
 
 import csv
+import logging
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning_utilities.core.rank_zero as rank_zero
 import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.strategies import SingleDeviceStrategy
 from torch import nn
 
-from isolate import Detached, IsolationError, IsolationWarning, Thaw
+import isolate.lightning.callback as callback_module
+from isolate import Detached, IsolationError, IsolationSpec, IsolationWarning, Thaw
 from isolate.errors import (
     CheckpointMismatchError,
     DriftError,
     GradientLeakError,
+    RankDivergenceError,
     SelectorError,
     SpecError,
 )
 from isolate.lightning import IsolationCallback
+from isolate.spec import checks, ranks
+from isolate.spec.handle import Tally
 from tests.lightning._models import BackboneNet, Net, TwoOptimizerNet, loader, state, trainer
 
 pytestmark = [
@@ -448,7 +456,7 @@ def test_constructor_rejects_bad_arguments(subtests: pytest.Subtests) -> None:
         ({"thaw": [Thaw("a", epoch=1), Thaw("a", step=1)]}, r"share the names \['a'\]"),
         ({"thaw": [{"select": "a", "epoch": 1, "lr": 0}]}, r"lr must be a finite number > 0"),
         ({"clone": [1]}, r"^IsolationCallback: clone must be a list of non-empty strings"),
-        ({"on_violation": "ignore"}, r"on_violation must be 'raise' or 'warn'"),
+        ({"on_violation": "ignore"}, r"^IsolationCallback: on_violation must be 'raise' or 'warn'"),
         ({"protect": {"aux": []}}, r"protect\['aux'\] select nothing"),
     ]
     for kwargs, match in cases:
@@ -536,7 +544,10 @@ def test_checkpoint_of_another_spec_is_refused(
     other = IsolationCallback(
         freeze=["trunk.0"], detach=["aux"], thaw=[Thaw("trunk.0", epoch=1, lr=0.05)]
     )
-    with pytest.raises(CheckpointMismatchError, match=r"different isolation spec") as e:
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"^IsolationCallback: the checkpoint was written under a different isolation spec",
+    ) as e:
         trainer(tmp_path, [other], max_epochs=4).fit(
             model, loader(), ckpt_path=ckpts / "epoch=1-step=8.ckpt"
         )
@@ -601,3 +612,262 @@ def test_lightning_cli_builds_and_runs_the_callback_from_yaml(
     before = state(cli.model.trunk)
     cli.trainer.fit(cli.model, loader())
     assert changed(before, state(cli.model.trunk)) == {"3.weight", "3.bias"}
+
+
+# --------------------------------------------------------------------------------------------
+# What the callback keeps, says and checks along the way
+
+
+def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    """The messages of the callback (``rank_zero_info``) that contain ``text``."""
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_a_new_callback_has_the_documented_defaults_and_keeps_nothing_yet() -> None:
+    callback = IsolationCallback()
+    assert (callback.cadence.every, callback.cadence.on_violation) == (50, "raise")
+    assert callback.log_grad_norms is True and callback.log_figures is False
+    assert callback.drift == "fingerprint" and callback.print_ledger is True
+    assert callback.handle is None and callback.ledger is None and callback.verdicts == {}
+    assert isinstance(callback.tally, Tally) and str(callback.tally) == str(Tally())
+    assert callback.state_dict() == {}
+    assert IsolationCallback(drift="copy").drift == "copy"
+    assert IsolationCallback(ledger=False).print_ledger is False
+    # Only the spec's own name becomes the callback's, not a selector that spells it.
+    assert repr(IsolationCallback(freeze=["IsolationSpec"])) == (
+        "IsolationCallback(freeze=['IsolationSpec'])"
+    )
+
+
+class Seen(pl.Callback):
+    """What the IsolationCallback before it holds once training starts."""
+
+    def __init__(self, callback: IsolationCallback) -> None:
+        self.callback = callback
+        self.seen: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        handle = self.callback.handle
+        assert handle is not None
+        self.seen = {
+            "drift": handle.drift,
+            "verdicts": self.callback.verdicts is handle.contracts.verdicts,
+            "tally": self.callback.tally is handle.tally,
+        }
+
+
+def test_the_ledger_is_printed_once_with_the_named_losses_and_the_handle_keeps_the_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    callback = IsolationCallback(freeze=["trunk"], detach=["aux"], drift="copy")
+    seen = Seen(callback)
+    with caplog.at_level(logging.INFO, logger=rank_zero.log.name):
+        trainer(tmp_path / "a", [callback, seen]).fit(Net(), loader())
+    assert seen.seen == {"drift": "copy", "verdicts": True, "tally": True}
+    assert len(_said(caplog, "IsolationCallback: the parameters at step 0\n")) == 1
+    assert len(_said(caplog, "the parameters at step")) == 1  # once, not at every step
+    assert callback.ledger is not None and callback.ledger.losses == ("aux", "total")
+    expects = {row.name: row.expects for row in callback.ledger.rows}  # read from the spec
+    assert (expects["trunk.0.weight"], expects["head.weight"]) == ("still", "moves")
+    assert callback.verdicts == {}  # no contracts: none judged, and a dict after the fit
+    # ledger=False: nothing printed, nothing kept.
+    caplog.clear()
+    quiet = IsolationCallback(freeze=["trunk"], detach=["aux"], ledger=False)
+    with caplog.at_level(logging.INFO, logger=rank_zero.log.name):
+        trainer(tmp_path / "b", [quiet]).fit(Net(), loader())
+    assert _said(caplog, "the parameters at step") == [] and quiet.ledger is None
+
+
+def test_a_thaw_is_announced_and_says_when_the_ddp_wrapper_was_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fit(root: Path) -> list[str]:
+        callback = IsolationCallback(freeze=["trunk"], thaw=[Thaw("trunk", epoch=1, lr=0.05)])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=rank_zero.log.name):
+            trainer(root, [callback]).fit(Net(), loader())
+        return _said(caplog, "thawed")
+
+    assert fit(tmp_path / "a") == [
+        "IsolationCallback: thawed 'trunk' (6 parameters) at epoch 1, step 4"
+    ]
+    # Under DDP the wrapper is rebuilt at the thaw (and only then), and the message says so.
+    calls: list[tuple[pl.Trainer, str]] = []
+
+    def rewrap(trainer: pl.Trainer, caller: str) -> bool:
+        calls.append((trainer, caller))
+        return True
+
+    monkeypatch.setattr(callback_module, "rewrap", rewrap)
+    assert fit(tmp_path / "b") == [
+        "IsolationCallback: thawed 'trunk' (6 parameters) at epoch 1, step 4; DDP wrapper "
+        "rebuilt so its gradients are synchronised"
+    ]
+    assert [(isinstance(t, pl.Trainer), caller) for t, caller in calls] == [
+        (True, "IsolationCallback")
+    ]
+
+
+def test_a_group_thawed_at_an_epoch_the_forward_skips_is_caught_on_its_first_step(
+    tmp_path: Path,
+) -> None:
+    class SkipsTrunk3(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, _ = batch
+            return nn.functional.cross_entropy(self.head(self.trunk[:3](x)), y)
+
+    callback = IsolationCallback(
+        freeze=["trunk"],
+        thaw=[Thaw("trunk.3", epoch=1, lr=0.1)],  # thawed at the epoch's start, before step 4
+        verify_every_n_steps=100,  # step 4 is no check step: the thaw itself makes it one
+        expected_unused=["aux"],
+        on_violation="warn",
+    )
+    with pytest.warns(
+        IsolationWarning,
+        match=r"at step 4, 2 of \d+ trainable parameters .*\n  trunk.3.weight, trunk.3.bias",
+    ):
+        trainer(tmp_path, [callback]).fit(SkipsTrunk3(), loader())
+
+
+def test_the_sanity_check_is_no_validation_run_for_a_monitor_thaw(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # min_delta above any change of val_loss: the second validation counts as no improvement,
+    # so the thaw is due after epoch 1's validation; the sanity check before it counts for nothing.
+    callback = IsolationCallback(
+        freeze=["trunk"],
+        thaw=[Thaw("trunk", monitor="val_loss", patience=1, min_delta=1e3, lr=0.05)],
+    )
+    fit = trainer(tmp_path, [callback], max_epochs=3, num_sanity_val_steps=2)
+    with caplog.at_level(logging.INFO, logger=rank_zero.log.name):
+        fit.fit(Net(), loader(), loader(n=32))
+    assert _said(caplog, "'trunk' is due") + _said(caplog, "thawed 'trunk'") == [
+        "IsolationCallback: 'trunk' is due: its metric stopped improving",
+        "IsolationCallback: thawed 'trunk' (6 parameters) at epoch 2, step 8",
+    ]
+
+
+def test_teardown_of_another_stage_or_with_no_spec_applied_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    model = Net()
+    callback = IsolationCallback(freeze=["trunk"])
+    fit = trainer(tmp_path, [callback])
+    callback.teardown(fit, model, "fit")  # nothing applied: nothing to keep or undo
+    assert callback.state_dict() == {}
+    callback.handle = IsolationSpec(freeze=["trunk"]).apply(model)  # as during a fit
+    callback.teardown(fit, model, "validate")
+    assert callback.handle is not None and not model.trunk[0].weight.requires_grad
+    callback.teardown(fit, model, "fit")
+    assert callback.handle is None and model.trunk[0].weight.requires_grad
+    assert callback.state_dict()["frozen"]  # the state at teardown is kept
+
+
+def test_a_protected_loss_training_step_never_sets_is_named_with_the_fix(tmp_path: Path) -> None:
+    callback = IsolationCallback(detach=["aux"], protect={"aux": ["trunk"]}, verify_every_n_steps=1)
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationCallback: protect names the losses \['aux'\], but Net.training_step "
+        r"did not set self.isolation_losses at step 0; set it to a dict \{'loss name': "
+        r"loss_tensor\} in every training_step$",
+    ):
+        trainer(tmp_path, [callback]).fit(Net(aux=False), loader())
+
+
+def _other_rank_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the rank check see a second rank whose every parameter differs from this one's."""
+
+    def gather(out: list[Any], obj: Any) -> None:
+        names, mine, reports = obj
+        out[:] = [obj, (names, [(key, print_ + 1) for key, print_ in mine], reports)]
+
+    monkeypatch.setattr(ranks, "world_size", lambda: 2)
+    monkeypatch.setattr(checks, "world_size", lambda: 2)
+    monkeypatch.setattr(ranks.dist, "all_gather_object", gather)
+
+
+def test_ranks_that_differ_at_fit_start_raise_or_warn_as_the_callback_is_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _other_rank_differs(monkeypatch)
+    differ = r"^IsolationCallback: parameters differ across the 2 ranks \(at fit start\): "
+    model = Net()
+    with pytest.raises(RankDivergenceError, match=differ):
+        trainer(tmp_path / "a", [IsolationCallback(freeze=["trunk"], verify_every_n_steps=0)]).fit(
+            model, loader()
+        )
+    assert all(p.requires_grad for p in model.parameters())  # undone on the error
+    warn = IsolationCallback(freeze=["trunk"], verify_every_n_steps=0, on_violation="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "b", [warn]).fit(Net(), loader())
+    said = [str(w.message) for w in caught if issubclass(w.category, IsolationWarning)]
+    assert said and re.match(differ, said[0])
+
+
+class RestoresAfterSetup(SingleDeviceStrategy):
+    """One device, but the checkpoint is restored after ``on_fit_start``, as under
+    ``ModelParallelStrategy``."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def test_a_spec_applied_at_fit_start_freezes_quietly_and_resumes_its_thaws(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the callback does under ModelParallelStrategy (whose configure_model replaces the
+    # parameters after setup), on one process: the spec waits for on_fit_start.
+    asked: list[object] = []
+
+    def applies_at_fit_start(trainer: object) -> bool:
+        asked.append(trainer)
+        return True
+
+    monkeypatch.setattr(callback_module, "applies_at_fit_start", applies_at_fit_start)
+
+    def callbacks(*more: pl.Callback) -> list[pl.Callback]:
+        return [IsolationCallback(freeze=["trunk"], thaw=[Thaw("trunk", epoch=1, lr=0.05)]), *more]
+
+    def run(root: Path, more: list[pl.Callback], **kw: Any) -> pl.Trainer:
+        strategy = RestoresAfterSetup(torch.device("cpu"))
+        return trainer(root, callbacks(*more), strategy=strategy, **kw)
+
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    model = Net(all_params=True)  # its optimizer was built before anything was frozen
+    trunk, probe = state(model.trunk), Probe()
+    fit = run(tmp_path, [every, probe], enable_checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IsolationWarning)  # frozen ones taken out without a word
+        fit.fit(model, loader())
+    assert asked and all(t is fit for t in asked)
+    assert probe.flags == [False, True] and not changed(trunk, probe.ends[0])
+    # A resume past the thaw: the checkpoint's thaw is back before the optimizer state loads.
+    probe = Probe()
+    again = run(tmp_path / "again", [probe], max_epochs=3)
+    again.fit(
+        Net(seed=1, all_params=True), loader(), ckpt_path=tmp_path / "ckpt" / "epoch=1-step=8.ckpt"
+    )
+    assert probe.flags == [True] and probe.groups[0] == [(1, 0.05)] * 6
+    # A checkpoint written without the callback is refused before anything loads.
+    plain = trainer(tmp_path / "plain", [], max_epochs=1, enable_checkpointing=True)
+    plain.fit(Net(), loader())
+    path = next((tmp_path / "plain" / "checkpoints").glob("*.ckpt"))
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"^IsolationCallback: the checkpoint '.+' holds no IsolationCallback state: it "
+        r"was written without this callback",
+    ):
+        run(tmp_path / "refused", []).fit(Net(), loader(), ckpt_path=path)
+
+
+def test_with_the_periodic_checks_off_a_fit_checks_ranks_at_its_start_and_drift_at_its_end(
+    tmp_path: Path,
+) -> None:
+    callback = IsolationCallback(freeze=["trunk"], verify_every_n_steps=0)
+    trainer(tmp_path, [callback], max_epochs=1).fit(Net(), loader())
+    # Two verifications: ranks at fit start (nothing to compare in one process), then params,
+    # drift and ranks at the end of training; no other check ran.
+    assert (callback.tally.runs, callback.tally.times) == (2, {"params": 1, "drift": 1})

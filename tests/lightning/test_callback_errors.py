@@ -66,7 +66,8 @@ def test_two_callbacks_on_one_trainer_are_refused(tmp_path: Path) -> None:
     fit.callbacks.append(IsolationCallback(detach=["aux"]))
     with pytest.raises(
         SpecError,
-        match=r"the Trainer has 2 IsolationCallbacks; their checkpoint states would collide",
+        match=r"^IsolationCallback: the Trainer has 2 IsolationCallbacks; their checkpoint states "
+        r"would collide",
     ):
         fit.fit(model, loader())
     unchanged(model, before)
@@ -82,8 +83,8 @@ def test_isolation_losses_must_be_a_dict_of_tensors(tmp_path: Path) -> None:
     model = BadLosses()
     with pytest.raises(
         IsolationTypeError,
-        match=r"BadLosses.isolation_losses must be a dict of loss name -> loss tensor, "
-        r"got \[tensor",
+        match=r"^IsolationCallback: BadLosses.isolation_losses must be a dict of loss name -> "
+        r"loss tensor, got \[tensor",
     ):
         trainer(tmp_path, [IsolationCallback(detach=["aux"], verify_every_n_steps=1)]).fit(
             model, loader()
