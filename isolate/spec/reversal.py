@@ -83,6 +83,14 @@ class Reversal(Clauses):
     ) -> IsolationError | None:
         contract, clause = self.contract, "reversed at the features"
         wanted = [t for t in [*features, *inputs] if t.requires_grad]
+        if not wanted:
+            return ctx.blind(
+                contract,
+                clause,
+                f"neither the outputs of {contract.features!r} nor the inputs of "
+                f"{contract.classifier!r} carry a gradient (they are integer or were computed "
+                f"under no_grad); name the modules on either side of the reversal",
+            )
         grads = dict(
             zip(
                 map(id, wanted),
@@ -92,13 +100,14 @@ class Reversal(Clauses):
         )
 
         def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-            parts = [grads.get(id(t)) for t in tensors]
-            return torch.cat(
-                [
-                    (g if g is not None else torch.zeros_like(t)).reshape(-1).double()
-                    for g, t in zip(parts, tensors, strict=True)
-                ]
-            )
+            """The gradients at ``tensors`` in one float64 vector (a complex one's real and
+            imaginary parts side by side; zeros where the loss sends back nothing)."""
+            out = []
+            for t in tensors:
+                g = grads.get(id(t))
+                g = torch.zeros_like(t) if g is None else g
+                out.append((torch.view_as_real(g) if g.is_complex() else g).reshape(-1).double())
+            return torch.cat(out)
 
         at_features, at_inputs = flat(features), flat(inputs)
         if at_features.numel() != at_inputs.numel():

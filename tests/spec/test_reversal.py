@@ -222,3 +222,87 @@ def test_a_forward_not_recorded_cannot_be_checked_and_names_the_features() -> No
         "cannot check its clause 'reversed at the features': 'features' did not run while the "
         "check recorded"
     )
+
+
+class ConjugateReverse(torch.autograd.Function):
+    """Sends back ``-0.3`` times the conjugate: the real parts of a right reversal, the
+    imaginary parts of no reversal at all."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return -0.3 * grad.conj()
+
+
+class ComplexDomain(nn.Module):
+    def __init__(self, conjugate: bool) -> None:
+        super().__init__()
+        self.conjugate = conjugate
+        self.scale = isolate.GradientScale(-0.3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return ConjugateReverse.apply(h) if self.conjugate else self.scale(h)
+
+
+class ComplexClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2, dtype=torch.cfloat)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h).abs()
+
+
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_complex_gradients_are_compared_in_both_parts(conjugate: bool) -> None:
+    """A reversal of complex features is judged on the real and the imaginary parts of its
+    gradients (only the real part was compared, so a reversal that conjugates passed)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {
+            "features": nn.Linear(4, 4, dtype=torch.cfloat),
+            "domain": nn.Sequential(ComplexDomain(conjugate), ComplexClassifier()),
+        }
+    )
+    counts, violations = check(model, reversal(), cross_entropy(model))
+    assert counts == {"reversal:domain": 3}
+    if not conjugate:
+        assert violations == ()
+    else:
+        assert len(violations) == 1
+        assert violations[0].endswith("(a reversal of scale 0.3); the scale differs")
+
+
+class Ids(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).argmax(-1)
+
+
+def test_sides_where_no_gradient_can_flow_cannot_be_checked() -> None:
+    """Features that return only integer ids (the loss reaching their weights another way):
+    nothing on either side carries a gradient (``torch.autograd.grad`` of no tensor crashed
+    the check with a ``RuntimeError``)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"features": Ids(), "domain": nn.Sequential(nn.Identity(), nn.Identity())}
+    )
+
+    with IsolationSpec(contracts=[reversal()]).applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        ids = model["domain"](model["features"](torch.randn(8, 4)))
+        loss = ids.float().mean() + model["features"].linear.weight.sum()
+        with pytest.raises(BlindSpotError) as error:
+            handle.verify({"domain": loss}, checks=["contracts"])
+    assert str(error.value) == (
+        "IsolationSpec: at epoch 0, step 0, contract 'reversal:domain' (reversal) cannot check "
+        "its clause 'reversed at the features': neither the outputs of 'features' nor the "
+        "inputs of 'domain.1' carry a gradient (they are integer or were computed under "
+        "no_grad); name the modules on either side of the reversal"
+    )
