@@ -288,9 +288,10 @@ def _refuse_mixed(model: nn.Module, found: Layout, whole: list[str]) -> None:
         example = next(n for n in found.trains)
         raise SpecError(
             f"{_CALLER}: mode='eval' cannot hold {len(unheld)} mode-dependent modules in eval "
-            f"mode: {_listed(unheld)}; each reads .training in its own forward and holds "
-            f"tensors the adapter trains (as {example!r}), and a spec holds a module only by "
-            f"freezing all it holds. Fix: if their mode changes nothing (a dropout of 0, as "
+            f"mode: {_listed(unheld)}; each reads .training in its own forward, and a spec "
+            f"holds a module in eval mode only by freezing it, or a module around it, whole, "
+            f"but each of these holds, or lies only in modules that hold, tensors the adapter "
+            f"trains (as {example!r}). Fix: if their mode changes nothing (a dropout of 0, as "
             f"attention_dropout=0.0), pass mixed='follow' to let them follow the model's mode; "
             f"else set that dropout to 0 first, or put the adapter on modules that hold no "
             f"mode-dependent layer"

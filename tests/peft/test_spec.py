@@ -420,7 +420,9 @@ def test_a_mixed_module_refusal_names_each_module_its_class_and_an_adapter_tenso
     assert str(e.value).startswith(
         f"spec_for(): mode='eval' cannot hold 2 mode-dependent modules in eval mode: "
         f"{[attention.format(0), attention.format(1)]}; each reads .training in its own "
-        f"forward and holds tensors the adapter trains (as {q!r}), and a spec holds"
+        f"forward, and a spec holds a module in eval mode only by freezing it, or a module "
+        f"around it, whole, but each of these holds, or lies only in modules that hold, "
+        f"tensors the adapter trains (as {q!r}). Fix:"
     )
 
 
@@ -487,7 +489,10 @@ def test_a_dropout_beside_an_adapted_layer_is_refused_though_its_parent_holds_a_
     with pytest.raises(
         SpecError,
         match=r"cannot hold 1 mode-dependent modules in eval mode: "
-        r"\['base_model\.model\.drop \(Dropout\)'\]",
+        r"\['base_model\.model\.drop \(Dropout\)'\]; each reads \.training in its own forward, "
+        r"and a spec holds a module in eval mode only by freezing it, or a module around it, "
+        r"whole, but each of these holds, or lies only in modules that hold, tensors the "
+        r"adapter trains \(as 'base_model\.model\.lin\.lora_A\.default\.weight'\)",
     ):
         spec_for(model, mode="eval")
 
