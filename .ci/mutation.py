@@ -285,6 +285,42 @@ TESTS: dict[str, list[str]] = {
     "isolate/_text.py": ["tests/toolkit/test_text.py", "tests/toolkit/test_warning_frames.py"],
     # The named losses' check: verify's tests, and the handle's loop that calls it.
     "isolate/spec/loss_checks.py": ["tests/spec"],
+    # A spec resolved against a model: every spec test resolves one (resolve, its groups, the
+    # wraps, the overlap fix, record and expectations), and the mode= holding tests record it.
+    # test_fuzz.py is left out: 23 s of Hypothesis training per mutant of resolve.
+    "isolate/spec/plan.py": [
+        "tests/spec/test_attaching.py",
+        "tests/spec/test_branches.py",
+        "tests/spec/test_cadence.py",
+        "tests/spec/test_checks.py",
+        "tests/spec/test_clock.py",
+        "tests/spec/test_contract_bugs.py",
+        "tests/spec/test_contracts.py",
+        "tests/spec/test_data.py",
+        "tests/spec/test_fields.py",
+        "tests/spec/test_handle.py",
+        "tests/spec/test_isolation.py",
+        "tests/spec/test_loss_checks.py",
+        "tests/spec/test_lr_schedulers.py",
+        "tests/spec/test_misuse.py",
+        "tests/spec/test_optimizers.py",
+        "tests/spec/test_plan.py",
+        "tests/spec/test_ranks.py",
+        "tests/spec/test_replaced.py",
+        "tests/spec/test_state.py",
+        "tests/spec/test_thaw.py",
+        "tests/spec/test_thaw_fields.py",
+        "tests/spec/test_thawing.py",
+        "tests/spec/test_user_messages.py",
+        "tests/spec/test_verifier.py",
+        "tests/spec/test_walks.py",
+        "tests/toolkit/test_holding.py",
+    ],
+    # Contracts as data: their own tests and the corrected implementations that declare them.
+    "isolate/spec/contracts.py": [
+        "tests/spec/test_contracts.py",
+        "tests/spec/test_contract_bugs.py",
+    ],
     # What an audit protects: every audit that takes protect= resolves it here.
     "isolate/_protected.py": [
         "tests/toolkit/test_protected.py",

@@ -211,6 +211,12 @@ def _wraps(spec: SpecData, model: nn.Module, caller: str) -> list[Wrap]:
                 f"{kind}, or unwrap it in the model code"
             )
         registered = aliases.get(id(child), [])
+        if not registered:
+            raise SelectorError(
+                f"{where}: {name!r} reaches a module the model does not register (a property "
+                f"or a plain attribute returns it), so a wrapper put there would never be "
+                f"called; name the registered submodule it stands for"
+            )
         if len(registered) > 1:
             raise WrappingError(
                 f"{where}: {name!r} is registered under {len(registered)} names {registered}; "
@@ -242,6 +248,12 @@ def _groups(
             # backbone but its norms); a selector with no frozen part at all is a mistake.
             _check_thaw_selectors(model, thaw.selectors, names, frozen_ids, name, where, caller)
             params = {n: p for n, p in params.items() if id(p) in frozen_ids}
+            if not params:
+                raise SpecError(
+                    f"{caller}: thaw group {name!r} keeps no parameter that freeze freezes "
+                    f"(its exclusions take out every frozen one), so it would thaw nothing; "
+                    f"fix its select"
+                )
         covered = selection.modes if spec.mode is not None else selection.norms
         norms: dict[str, nn.Module] = {
             n: m

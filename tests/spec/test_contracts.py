@@ -15,7 +15,7 @@ from torch import nn
 import isolate
 from isolate.errors import BlindSpotError, ContractError, IsolationError, SpecError
 from isolate.spec import IsolationSpec
-from isolate.spec.contracts import Contract
+from isolate.spec.contracts import Contract, contracts_of
 
 
 def net() -> nn.ModuleDict:
@@ -113,6 +113,33 @@ def test_contracts_must_be_a_list_with_distinct_names() -> None:
         IsolationSpec(contracts=twice)
 
 
+def test_a_contract_read_from_data_is_refused_in_the_name_it_was_read_under() -> None:
+    kinds = "['ema', 'probe', 'reversal', 'stop_gradient', 'teacher', 'trains']"
+    unknown = f"unknown kind 'teachr' (did you mean 'teacher'?); the kinds are {kinds}"
+    with pytest.raises(SpecError) as raised:
+        Contract.from_dict({"select": "a"})
+    assert str(raised.value) == (
+        f"Contract: a contract is a mapping with a kind ({kinds}) and its keys, got "
+        "{'select': 'a'}"
+    )
+    with pytest.raises(SpecError) as raised:
+        Contract.from_dict({"kind": "teachr", "select": "a", "name": "mine"})
+    assert str(raised.value) == f"Contract 'mine': {unknown}"
+    with pytest.raises(SpecError) as raised:
+        IsolationSpec(contracts=[{"kind": "teachr", "select": "a"}])
+    assert str(raised.value) == f"IsolationSpec: contracts[0]: {unknown}"
+
+
+@pytest.mark.parametrize("value", ["teacher", 5, {"kind": "teacher", "select": "a"}])
+def test_contracts_that_are_no_list_are_refused_with_their_type(value: object) -> None:
+    with pytest.raises(SpecError) as raised:
+        contracts_of(value, "Here")
+    assert str(raised.value) == (
+        "Here: contracts must be a list of contracts (mappings with a kind), got "
+        f"{type(value).__name__}"
+    )
+
+
 def test_a_contract_error_is_an_isolation_error_and_an_assertion() -> None:
     assert issubclass(ContractError, IsolationError) and issubclass(ContractError, AssertionError)
 
@@ -128,6 +155,42 @@ def test_selectors_are_resolved_when_the_spec_is_applied_and_nothing_changes_on_
     )
     with pytest.raises(SpecError, match=r"hold different tensors: only the target has"):
         bad.apply(model)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"kind": "zzz"}, "Contract: unknown kind 'zzz'; the kinds are "
+         "['ema', 'probe', 'reversal', 'stop_gradient', 'teacher', 'trains']"),
+        ({"kind": "probe", "select": "p"},
+         "Contract: a probe contract needs ['loss']; its keys are ['select', 'loss', 'within', "
+         "'name']"),
+        ({"kind": "teacher", "select": "t", "loss": "x"},
+         "Contract: a teacher contract has no keys ['loss']; its keys are ['select', 'name']"),
+        ({"kind": "teacher", "select": "t", "integers": "keep"},
+         "Contract: a teacher contract has no keys ['integers']; its keys are ['select', 'name']"),
+        ({"kind": "teacher", "select": [""], "name": "t"},
+         "Contract 't': select must be a list of non-empty strings (module names, parameter "
+         "names or globs), got ['']"),
+        ({"kind": "ema", "target": "", "online": "o", "decay": 0.5},
+         "Contract: target must name one submodule, got ''"),
+        ({"kind": "ema", "target": 3, "online": "o", "decay": 0.5},
+         "Contract: target must name one submodule, got 3"),
+        ({"kind": "probe", "select": "p", "loss": ""},
+         "Contract: loss must be a loss name, got ''"),
+        ({"kind": "probe", "select": "p", "loss": 3}, "Contract: loss must be a loss name, got 3"),
+        ({"kind": "ema", "target": "t", "online": "o", "decay": 0},
+         "Contract: decay must be a number in (0, 1), got 0"),
+        ({"kind": "reversal", "loss": "d", "features": "f", "classifier": "c", "scale": 0},
+         "Contract: scale must be a number > 0 (the reversal multiplies the gradient by -scale), "
+         "got 0"),
+        ({"kind": "teacher", "select": "t", "name": 3}, "Contract 3: name must be a string, got 3"),
+    ],
+)  # fmt: skip
+def test_a_bad_contract_is_refused_word_for_word(keys: dict[str, object], message: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        Contract(**keys)  # type: ignore[arg-type]
+    assert str(raised.value) == message
 
 
 # -- teacher ----------------------------------------------------------------------------------
