@@ -211,6 +211,10 @@ class Aliased(nn.Module):
     def itself(self) -> nn.Module:
         return self
 
+    @property
+    def encoder(self) -> nn.Module:
+        return self.layers[0]
+
 
 @pytest.mark.parametrize(
     ("spec", "error", "message"),
@@ -243,6 +247,53 @@ def test_a_branch_that_cannot_be_wrapped_is_refused_by_name(
         resolve(spec, model)
     assert str(raised.value).startswith(message)
 
+
+
+def test_a_branch_reached_by_another_path_is_wrapped_where_it_is_registered() -> None:
+    """``encoder`` is a property returning ``layers.0``, and torch.compile's wrapper forwards
+    ``aux`` to the module it holds: each wrapper replaces the registered child, so the forward
+    calls it and restore puts the branch back (a wrapper registered as ``encoder`` was
+    shadowed by the property and never called; the compiled model's was never taken out)."""
+    model = Aliased()
+    layer = model.layers[0]
+    with IsolationSpec(detach=["encoder"]).applied(model):
+        assert isinstance(model.encoder, isolate.Detached) and model.layers[0] is model.encoder
+        assert "encoder" not in model._modules
+        x = torch.randn(3, 2, requires_grad=True)
+        model.encoder(x).sum().backward()
+        assert x.grad is None and layer.weight.grad is not None
+    assert model.layers[0] is layer and model.encoder is layer
+    net = Net()
+    aux = net.aux
+    with IsolationSpec(detach=["aux"]).applied(torch.compile(net)):
+        assert isinstance(net.aux, isolate.Detached) and net.aux.module is aux
+    assert net.aux is aux
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            IsolationSpec(detach=["encoder", "layers.0"]),
+            "IsolationSpec(detach): 'layers.0' and detach 'encoder' are one module, registered "
+            "as 'layers.0'; name it once",
+        ),
+        (
+            IsolationSpec(detach=["layers.0"], clone=["encoder"]),
+            "IsolationSpec(clone): 'encoder' and detach 'layers.0' are one module, registered "
+            "as 'layers.0'; name it once",
+        ),
+    ],
+)
+def test_one_branch_named_by_two_paths_is_refused_before_wrapping(
+    spec: IsolationSpec, message: str
+) -> None:
+    model = Aliased()
+    layer = model.layers[0]
+    with pytest.raises(SpecError) as raised:
+        spec.apply(model)
+    assert str(raised.value) == message
+    assert model.layers[0] is layer and dict(model.named_modules())["layers.0"] is layer
 
 def test_a_branch_already_wrapped_is_refused_with_its_wrapper_named() -> None:
     model = Net()
