@@ -260,6 +260,12 @@ TESTS: dict[str, list[str]] = {
     "isolate/_text.py": ["tests/toolkit/test_text.py", "tests/toolkit/test_warning_frames.py"],
     # The named losses' check: verify's tests, and the handle's loop that calls it.
     "isolate/spec/loss_checks.py": ["tests/spec"],
+    # The ema contract: the contracts' tests (parsing, checks, the bugs they found) and its own.
+    "isolate/spec/ema.py": [
+        "tests/spec/test_contracts.py",
+        "tests/spec/test_contract_bugs.py",
+        "tests/spec/test_ema.py",
+    ],
     # What an audit protects: every audit that takes protect= resolves it here.
     "isolate/_protected.py": [
         "tests/toolkit/test_protected.py",
