@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from isolate.errors import ContractError, SpecError
+from isolate.errors import ContractError, SelectorError, SpecError
 from isolate.spec import IsolationSpec
 from isolate.spec.ema import _deviations
 
@@ -271,3 +271,19 @@ def test_a_target_off_by_exactly_its_tolerance_is_held() -> None:
 def test_an_empty_tensor_is_never_off() -> None:
     empty = torch.zeros(0)
     assert deviations(empty, empty, empty) == {}
+
+
+@pytest.mark.parametrize(
+    ("side", "name", "contract"),
+    [("target", "targt", "ema:targt"), ("online", "onlin", "ema:target")],
+)
+def test_a_network_that_is_no_submodule_is_refused_in_the_contract_s_name(
+    side: str, name: str, contract: str
+) -> None:
+    given = {"kind": "ema", "target": "target", "online": "online", "decay": 0.9, side: name}
+    with pytest.raises(SelectorError) as error:
+        IsolationSpec(contracts=[given]).apply(Pair())
+    assert str(error.value) == (
+        f"IsolationSpec(contract {contract!r}): {name!r} is not a submodule of Pair; its children "
+        "are ['online', 'target']; name a submodule with its dotted path"
+    )
