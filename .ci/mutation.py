@@ -289,37 +289,23 @@ TESTS: dict[str, list[str]] = {
     # wraps, the overlap fix, record and expectations), and the mode= holding tests record it.
     # test_fuzz.py is left out: 23 s of Hypothesis training per mutant of resolve.
     "isolate/spec/plan.py": [
-        "tests/spec/test_attaching.py",
-        "tests/spec/test_branches.py",
-        "tests/spec/test_cadence.py",
-        "tests/spec/test_checks.py",
-        "tests/spec/test_clock.py",
-        "tests/spec/test_contract_bugs.py",
-        "tests/spec/test_contracts.py",
-        "tests/spec/test_data.py",
-        "tests/spec/test_fields.py",
-        "tests/spec/test_handle.py",
-        "tests/spec/test_isolation.py",
-        "tests/spec/test_loss_checks.py",
-        "tests/spec/test_lr_schedulers.py",
-        "tests/spec/test_misuse.py",
-        "tests/spec/test_optimizers.py",
-        "tests/spec/test_plan.py",
-        "tests/spec/test_ranks.py",
-        "tests/spec/test_replaced.py",
-        "tests/spec/test_state.py",
-        "tests/spec/test_thaw.py",
-        "tests/spec/test_thaw_fields.py",
-        "tests/spec/test_thawing.py",
-        "tests/spec/test_user_messages.py",
-        "tests/spec/test_verifier.py",
-        "tests/spec/test_walks.py",
+        *sorted(
+            f"tests/spec/{p.name}"
+            for p in (ROOT / "tests" / "spec").glob("test_*.py")
+            if p.name != "test_fuzz.py"
+        ),
         "tests/toolkit/test_holding.py",
     ],
     # Contracts as data: their own tests and the corrected implementations that declare them.
     "isolate/spec/contracts.py": [
         "tests/spec/test_contracts.py",
         "tests/spec/test_contract_bugs.py",
+    ],
+    # The ema contract: the contracts' tests (parsing, checks, the bugs they found) and its own.
+    "isolate/spec/ema.py": [
+        "tests/spec/test_contracts.py",
+        "tests/spec/test_contract_bugs.py",
+        "tests/spec/test_ema.py",
     ],
     # What an audit protects: every audit that takes protect= resolves it here.
     "isolate/_protected.py": [
