@@ -4,6 +4,7 @@ read again on its own without moving the cursor."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 import xxhash
 
 from isolate.certificates.streaming import FileCursor, Span
+from isolate.errors import CheckpointReadError
 from isolate.fingerprints import fingerprint
 
 DATA = bytes(range(100))
@@ -38,7 +40,9 @@ def cursor(tmp_path: Path) -> Iterator[FileCursor]:
 def test_asked_for_the_first_tensor_the_cursor_reads_up_to_its_end_only(
     cursor: FileCursor,
 ) -> None:
-    assert cursor.print_of("a") == _print("a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the file opened unbuffered, as binary files can be
+        assert cursor.print_of("a") == _print("a")
     assert cursor.walked == 40
 
 
@@ -79,3 +83,44 @@ def test_a_cursor_without_a_file_hash_has_none_to_give_but_still_fingerprints(
         assert str(error.value) == "file.bin: a cursor without a file hash has none to give"
     finally:
         cursor.close()
+
+
+@pytest.mark.parametrize(("left", "now"), [(55, 55), (48, 48)])
+def test_a_file_cut_short_after_it_was_measured_names_where_it_now_ends(
+    tmp_path: Path, left: int, now: int
+) -> None:
+    path = tmp_path / "file.bin"
+    path.write_bytes(DATA)
+    cursor = FileCursor(path, "none", {"c": Span(48, 60, torch.uint8, (12,))})
+    path.write_bytes(DATA[:left])  # within c, or exactly where c starts
+    try:
+        with pytest.raises(CheckpointReadError) as error:
+            cursor.print_of("c")
+    finally:
+        cursor.close()
+    assert str(error.value) == (
+        f"file.bin: truncated while being read (bytes up to 60 needed, the file now ends at "
+        f"{now}); re-copy the file"
+    )
+
+
+def test_an_empty_tensor_reads_nothing_from_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "file.bin"
+    path.write_bytes(DATA)
+    cursor = FileCursor(path, "none", {"e": Span(100, 100, torch.uint8, (0,))})
+    path.unlink()  # nothing left to open: an empty tensor must not need to
+    assert cursor.print_of("e") == fingerprint(torch.zeros(0, dtype=torch.uint8))
+    assert cursor.walked == 0
+    cursor.close()
+
+
+def test_a_closed_cursor_opens_the_file_again_when_asked_and_can_be_closed_twice(
+    cursor: FileCursor,
+) -> None:
+    cursor.close()  # never opened yet
+    assert cursor.print_of("b") == _print("b")
+    cursor.close()
+    assert cursor.print_of("a") == _print("a")  # passed on the way: no read
+    assert cursor.print_of("b") == _print("b")  # behind the cursor: read again, reopened
+    cursor.close()
+    cursor.close()
