@@ -379,6 +379,9 @@ TESTS: dict[str, list[str]] = {
     "isolate/certificates/opening.py": ["tests/certificates"],
     "isolate/certificates/engine.py": ["tests/certificates"],
     "isolate/certificates/merge.py": ["tests/certificates"],
+    "isolate/certificates/checkpoint.py": ["tests/certificates"],
+    "isolate/certificates/certificate.py": ["tests/certificates"],
+    "isolate/certificates/streaming.py": ["tests/certificates"],
 }
 
 
