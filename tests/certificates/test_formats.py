@@ -75,7 +75,6 @@ def test_groups_that_hold_the_weights(tmp_path: Path) -> None:
         assert set(reader.metas) == {*prefixed, "extra"}
 
 
-
 def test_key_none_reads_the_top_level_only_and_refuses_one_without_tensors(
     tmp_path: Path,
 ) -> None:
@@ -113,6 +112,7 @@ def test_a_file_with_no_tensors_where_auto_looks_names_its_groups_or_says_it_has
     for key in ("auto", None):
         with pytest.raises(CheckpointReadError, match=r"it holds no group of tensors either$"):
             open_checkpoint(tmp_path / "e.ckpt", key=key)
+
 
 def _hash(path: Path, kind: str) -> str:
     data = path.read_bytes()

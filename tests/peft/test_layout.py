@@ -70,7 +70,6 @@ def test_a_prompt_learning_model_trains_its_prompt_encoder_and_keeps_the_base_st
         handle.restore()
 
 
-
 def test_lora_injected_without_a_peft_model_names_the_adapters_active_in_its_layers() -> None:
     """``peft.inject_adapter_in_model`` leaves no ``PeftModel`` (no ``active_adapters``) around
     the model: the layers' active adapters stand for the model's (it was none, and the

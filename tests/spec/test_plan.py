@@ -248,7 +248,6 @@ def test_a_branch_that_cannot_be_wrapped_is_refused_by_name(
     assert str(raised.value).startswith(message)
 
 
-
 def test_a_branch_reached_by_another_path_is_wrapped_where_it_is_registered() -> None:
     """``encoder`` is a property returning ``layers.0``, and torch.compile's wrapper forwards
     ``aux`` to the module it holds: each wrapper replaces the registered child, so the forward
@@ -294,6 +293,7 @@ def test_one_branch_named_by_two_paths_is_refused_before_wrapping(
         spec.apply(model)
     assert str(raised.value) == message
     assert model.layers[0] is layer and dict(model.named_modules())["layers.0"] is layer
+
 
 def test_a_branch_already_wrapped_is_refused_with_its_wrapper_named() -> None:
     model = Net()
