@@ -382,6 +382,37 @@ TESTS: dict[str, list[str]] = {
     "isolate/certificates/checkpoint.py": ["tests/certificates"],
     "isolate/certificates/certificate.py": ["tests/certificates"],
     "isolate/certificates/streaming.py": ["tests/certificates"],
+    # Every file that wraps a module (Frozen, Detached, Cloned), copies or pickles a wrapper,
+    # loads its state_dict, or wraps one twice (the mirror test file has six tests).
+    "isolate/_wrapping.py": [
+        "tests/toolkit/test_wrapping.py",
+        "tests/toolkit/test_detaching.py",
+        "tests/toolkit/test_cloning.py",
+        "tests/toolkit/test_freezing.py",
+        "tests/toolkit/test_copies.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_tree.py",
+        "tests/toolkit/test_exception_safety.py",
+    ],
+    # The walk under every audit: the files that walk graphs (as reachability's), with the
+    # ledger's and the cutoff reasons' (they read the walk's paths and connecting ops).
+    "isolate/_autograd.py": [
+        "tests/toolkit/test_reachability.py",
+        "tests/toolkit/test_audit_properties.py",
+        "tests/toolkit/test_audits_in_use.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_cutoff.py",
+        "tests/toolkit/test_cutoff_reasons.py",
+        "tests/toolkit/test_detaching.py",
+        "tests/toolkit/test_gradients.py",
+        "tests/toolkit/test_ledger.py",
+        "tests/toolkit/test_patterns.py",
+        "tests/toolkit/test_selectors.py",
+        "tests/toolkit/test_sharding.py",
+        "tests/toolkit/test_testing.py",
+        "tests/seethrough/test_checkpointing.py",
+        "tests/seethrough/test_fake_reruns.py",
+    ],
 }
 
 

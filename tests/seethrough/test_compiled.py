@@ -196,12 +196,14 @@ def test_a_backward_that_reuses_saved_memory_refuses_gradients_but_not_reach() -
     (main + probe).backward()  # compiles the backward, donating saved buffers
     main, probe = compiled(torch.randn(2, 5))
     assert list(cut_off_parameters(main, model).parameters)[:2] == ["side.weight", "side.bias"]
-    for audit in (
-        lambda: gradient_report({"main": main}, model),
-        lambda: gradient_invariance(main, main + probe, model.trunk),
+    for caller, audit in (
+        ("gradient_report", lambda: gradient_report({"main": main}, model)),
+        ("gradient_invariance", lambda: gradient_invariance(main, main + probe, model.trunk)),
     ):
         with pytest.raises(
-            BlindSpotError, match=r"Net\.forward .*donated buffers.*donated_buffer = False"
+            BlindSpotError,
+            match=rf"^{caller}\(\): the backward of .*Net\.forward .*donated buffers.*"
+            r"donated_buffer = False",
         ):
             audit()
     main.backward()  # the refusal ran nothing: the training step's backward still works

@@ -1,8 +1,11 @@
 """What every module wrapper shares (Frozen, Detached, Cloned): keyword arguments reach the
-wrapped module, and ``state_dict`` / ``load_state_dict`` name keys without a ``module.``
-infix."""
+wrapped module, ``state_dict`` / ``load_state_dict`` name keys without a ``module.`` infix
+(copies too), the wrapped module's children, parameters and buffers are reached through the
+wrapper, and ``unwrap()`` releases that wrapper alone."""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from torch import nn
 import isolate
 import isolate.reachability
 from isolate import Cloned, Detached
+from isolate.errors import WrappingError
 from tests.toolkit._shared import Scaled
 
 
@@ -72,3 +76,88 @@ def test_the_wrapped_modules_children_parameters_and_buffers_are_reached_through
     assert norm.running_mean is norm.module.running_mean
     with pytest.raises(AttributeError):
         _ = linear.forward_pre_hooks_that_do_not_exist
+
+
+def test_only_children_parameters_and_buffers_are_reached_through_the_wrapper() -> None:
+    linear = isolate.Detached(nn.Linear(2, 3))
+    assert linear.module.in_features == 2
+    with pytest.raises(AttributeError, match=r"^'Detached' object has no attribute 'in_features'$"):
+        _ = linear.in_features
+
+
+def test_an_attribute_read_before_the_wrapper_is_set_up_is_named_as_missing() -> None:
+    # As a subclass reading self.module before calling Wrapper.__init__ would.
+    bare = isolate.Detached.__new__(isolate.Detached)
+    with pytest.raises(AttributeError, match=r"^'Detached' object has no attribute 'module'$"):
+        _ = bare.module
+
+
+def test_unwrapping_one_wrapper_leaves_the_module_s_other_live_wrappers_registered() -> None:
+    branch = nn.Linear(2, 2)
+    detached = Detached(branch)
+    cloned = Cloned(branch)
+    assert cloned.unwrap() is branch
+    with pytest.raises(
+        WrappingError, match=r"^Detached\(\): this Linear is already wrapped in a live Detached"
+    ):
+        Detached(branch)
+    Cloned(branch)  # the unwrapped one is released
+    assert detached.module is branch
+
+
+def test_a_wrapper_whose_module_was_replaced_unwraps_to_the_new_module() -> None:
+    # As torch.ao.quantization's convert swaps a Linear for its quantized form in place.
+    wrapper = Detached(nn.Linear(2, 2))
+    replacement = nn.Linear(2, 2)
+    wrapper.module = replacement
+    assert wrapper.unwrap() is replacement
+
+
+def test_a_wrapper_pickled_without_its_load_hook_names_keys_without_the_infix_once_loaded() -> None:
+    # A wrapper saved before the hook existed: the copy gets it back, and only once.
+    wrapper = Detached(nn.Linear(2, 2))
+    wrapper._load_state_dict_post_hooks.clear()
+    copy = pickle.loads(pickle.dumps(wrapper))
+    assert len(copy._load_state_dict_post_hooks) == 1
+    state = {"weight": torch.ones(2, 2), "extra": torch.ones(1)}
+    result = copy.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["bias"]
+    assert result.unexpected_keys == ["extra"]
+    assert torch.equal(copy.module.weight, torch.ones(2, 2))
+
+
+def test_a_wrapper_pickled_without_any_load_hook_loads_the_keys_it_was_saved_with() -> None:
+    # A wrapper saved before its keys left out the infix: the copy gets the post hook back,
+    # which has nothing to rename when no pre hook put the infix in.
+    wrapper = Detached(nn.Linear(2, 2))
+    wrapper._load_state_dict_pre_hooks.clear()
+    wrapper._load_state_dict_post_hooks.clear()
+    copy = pickle.loads(pickle.dumps(wrapper))
+    state = {"module.weight": torch.ones(2, 2), "module.bias": torch.zeros(2)}
+    result = copy.load_state_dict(state)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(copy.module.weight, torch.ones(2, 2))
+
+
+def test_a_message_written_before_the_wrapper_loads_is_left_as_it_is() -> None:
+    # Module names may hold spaces: the key of a module loaded before the wrapper can read
+    # "for trunk.module." without being the wrapper's.
+    model = nn.ModuleDict(
+        {
+            "copy for trunk": nn.ModuleDict({"module": nn.Linear(2, 2)}),
+            "trunk": Detached(nn.Linear(2, 2)),
+        }
+    )
+    state = model.state_dict()
+    assert list(state) == [
+        "copy for trunk.module.weight",
+        "copy for trunk.module.bias",
+        "trunk.weight",
+        "trunk.bias",
+    ]
+    state["copy for trunk.module.weight"] = torch.zeros(3, 3)
+    state["trunk.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(state)
+    assert "size mismatch for copy for trunk.module.weight: copying" in str(info.value)
+    assert "size mismatch for trunk.weight: copying" in str(info.value)
