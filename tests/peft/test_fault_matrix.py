@@ -246,8 +246,8 @@ FAULTS = {
         lambda seed: _base_dropout(seed, attention=0.1),
         SpecError,
         r"mode='eval' cannot hold 2 mode-dependent modules in eval mode: "
-        r"\['base_model.model.model.layers.0.self_attn \(LlamaAttention\)'.*holds tensors the "
-        r"adapter trains.*Fix: .*mixed='follow'",
+        r"\['base_model.model.model.layers.0.self_attn \(LlamaAttention\)'.*lies only in "
+        r"modules that hold, tensors the adapter trains.*Fix: .*mixed='follow'",
         spec=lambda model: spec_for(model, mode="eval"),
     ),
 }
