@@ -393,6 +393,10 @@ TESTS: dict[str, list[str]] = {
     "isolate/certificates/opening.py": ["tests/certificates"],
     "isolate/certificates/engine.py": ["tests/certificates"],
     "isolate/certificates/merge.py": ["tests/certificates"],
+    # The file formats are read by the certificate's whole layer (opening, corruptions, one
+    # pass, errors), not only by their mirror files.
+    "isolate/certificates/safetensors_file.py": ["tests/certificates"],
+    "isolate/certificates/torch_file.py": ["tests/certificates"],
 }
 
 
