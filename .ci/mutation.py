@@ -413,6 +413,10 @@ TESTS: dict[str, list[str]] = {
         "tests/seethrough/test_checkpointing.py",
         "tests/seethrough/test_fake_reruns.py",
     ],
+    # The file formats are read by the certificate's whole layer (opening, corruptions, one
+    # pass, errors), not only by their mirror files.
+    "isolate/certificates/safetensors_file.py": ["tests/certificates"],
+    "isolate/certificates/torch_file.py": ["tests/certificates"],
 }
 
 

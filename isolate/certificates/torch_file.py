@@ -35,7 +35,10 @@ def load_weights_only(path: Path, *, meta: bool = False) -> Any:
     reading no tensor data), its failures as one-line errors."""
     try:
         if meta:
-            return torch.load(path, map_location="meta", weights_only=True)
+            try:
+                return torch.load(path, map_location="meta", weights_only=True)
+            except NotImplementedError:  # a sparse tensor: its invariants need its data
+                pass  # mapped instead: the dense tensors' data is read only where touched
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL ([\w.]+)", str(error))
