@@ -91,25 +91,7 @@ class Reversal(Clauses):
                 f"{contract.classifier!r} carry a gradient (they are integer or were computed "
                 f"under no_grad); name the modules on either side of the reversal",
             )
-        grads = dict(
-            zip(
-                map(id, wanted),
-                torch.autograd.grad(loss, wanted, retain_graph=True, allow_unused=True),
-                strict=True,
-            )
-        )
-
-        def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-            """The gradients at ``tensors`` in one float64 vector (a complex one's real and
-            imaginary parts side by side; zeros where the loss sends back nothing)."""
-            out = []
-            for t in tensors:
-                g = grads.get(id(t))
-                g = torch.zeros_like(t) if g is None else g
-                out.append((torch.view_as_real(g) if g.is_complex() else g).reshape(-1).double())
-            return torch.cat(out)
-
-        at_features, at_inputs = flat(features), flat(inputs)
+        at_features, at_inputs = _flat_gradients(loss, wanted, features, inputs)
         if at_features.numel() != at_inputs.numel():
             return ctx.blind(
                 contract,
@@ -140,3 +122,31 @@ class Reversal(Clauses):
                 else "the scale differs"
             ),
         )
+
+
+def _flat_gradients(
+    loss: torch.Tensor,
+    wanted: list[torch.Tensor],
+    features: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``loss`` at ``features`` and at ``inputs``, each side in one float64
+    vector (a complex gradient's real and imaginary parts side by side; zeros where the loss
+    sends back nothing), from one ``torch.autograd.grad`` over ``wanted`` (never empty)."""
+    grads = dict(
+        zip(
+            map(id, wanted),
+            torch.autograd.grad(loss, wanted, retain_graph=True, allow_unused=True),
+            strict=True,
+        )
+    )
+
+    def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        out = []
+        for t in tensors:
+            g = grads.get(id(t))
+            g = torch.zeros_like(t) if g is None else g
+            out.append((torch.view_as_real(g) if g.is_complex() else g).reshape(-1).double())
+        return torch.cat(out)
+
+    return flat(features), flat(inputs)
