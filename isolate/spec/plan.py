@@ -223,15 +223,15 @@ def _wraps(spec: SpecData, model: nn.Module, caller: str) -> list[Wrap]:
                 f"only one of them can be replaced, and calls through the others would bypass "
                 f"the wrapper. Keep a single attribute for the branch"
             )
-        # Replaced where it is registered, whatever path reached it (a property returning
-        # it, the module inside torch.compile's wrapper), so every call finds the wrapper and
-        # restore finds it there.
         same = next((w for w in wraps if w.child is child), None)
         if same is not None:
             raise SpecError(
                 f"{where}: {name!r} and {same.kind} {same.name!r} are one module, registered "
                 f"as {registered[0]!r}; name it once"
             )
+        # Replaced where it is registered, whatever path reached it (a property returning
+        # it, the module inside torch.compile's wrapper), so every call finds the wrapper and
+        # restore finds it there.
         parent_name, _, leaf = registered[0].rpartition(".")
         parent = model.get_submodule(parent_name)
         wraps.append(Wrap(kind, name, parent, leaf, child))
