@@ -29,31 +29,54 @@ class Wrapper(nn.Module):
     A copy of a wrapper (``copy.deepcopy``, pickling, ``torch.save``/``torch.load``, the
     copy that EMA and SWA averaging make) wraps the copied module and is registered as that
     module's live wrapper: it is independent of the original.
+
+    ``wrapper.module = other`` wraps ``other`` in place of the old module, checked as a new
+    wrap is (nothing changes if it is refused); the old module is released.
     """
 
     module: nn.Module
     isolate_passthrough = "module"  # the child state_dict keys leave out (_walker.PASSTHROUGH)
 
     def __init__(self, module: nn.Module) -> None:
-        caller = f"{type(self).__name__}()"
-        check_module(module, caller, "the wrapped object")
-        if isinstance(module, Wrapper):
-            raise WrappingError(
-                f"{caller}: the module is already wrapped in {type(module).__name__}; "
-                f"wrap the inner module once (use .unwrap() to take a wrapper off)"
-            )
-        live = [w() for w in _wrapped.get(module, [])]
-        if any(type(w) is type(self) for w in live if w is not None):
-            raise WrappingError(
-                f"{caller}: this {type(module).__name__} is already wrapped in a live "
-                f"{type(self).__name__}; reuse that wrapper, or call .unwrap() on it first"
-            )
+        self._check_wrappable(module, f"{type(self).__name__}()")
         super().__init__()
         self.module = module
         _wrapped.setdefault(module, []).append(weakref.ref(self))
         self._register_state_dict_hook(_strip_module_infix)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_add_module_infix)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_post_hook(_drop_module_infix)  # type: ignore[no-untyped-call]
+
+    def _check_wrappable(self, obj: object, caller: str) -> None:
+        module = check_module(obj, caller, "the wrapped object")
+        if isinstance(module, Wrapper):
+            raise WrappingError(
+                f"{caller}: the module is already wrapped in {type(module).__name__}; "
+                f"wrap the inner module once (use .unwrap() to take a wrapper off)"
+            )
+        live = [w() for w in _wrapped.get(module, [])]
+        if any(type(w) is type(self) for w in live if w is not None and w is not self):
+            raise WrappingError(
+                f"{caller}: this {type(module).__name__} is already wrapped in a live "
+                f"{type(self).__name__}; reuse that wrapper, or call .unwrap() on it first"
+            )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        old = self.__dict__.get("_modules", {}).get("module") if name == "module" else None
+        if old is None or value is old:
+            super().__setattr__(name, value)
+            return
+        # ``wrapper.module = other`` (by hand, or by model surgery that replaces children):
+        # the wrapper now wraps ``other``, checked as a new wrap is, and lets go of ``old``.
+        self._check_wrappable(value, f"{type(self).__name__}.module = ...")
+        self._rewrap(old, value)
+
+    def _rewrap(self, old: nn.Module, new: nn.Module) -> None:
+        """Wrap ``new`` in place of ``old`` (both checked); subclasses undo and redo their
+        own hold on the module around this."""
+        refs = _wrapped.get(old, [])
+        refs[:] = [r for r in refs if r() is not None and r() is not self]
+        super().__setattr__("module", new)
+        _wrapped.setdefault(new, []).append(weakref.ref(self))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Called for copy.deepcopy and for unpickling alike: the copy wraps the copied module,

@@ -427,6 +427,20 @@ def is_frozen(model: nn.Module, *selectors: Selector) -> bool:
     return not any(p.requires_grad for p in selection.params.values())
 
 
+def _whole(module: nn.Module, caller: str) -> tuple[dict[str, nn.Parameter], dict[str, nn.Module]]:
+    """The whole module, as ``select(module, ())`` would give it, without the selector
+    grammar (a module with no parameters, a BatchNorm without affine, is fine here), checked
+    before anything changes so a refused module is left as it was."""
+    params = dict(module.named_parameters())
+    norms: dict[str, nn.Module] = {
+        name: m
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+    check_params(module, caller, params, False)
+    return params, norms
+
+
 class Frozen(Wrapper):
     """A module whose parameters never learn and whose BatchNorm statistics never move.
 
@@ -454,7 +468,7 @@ class Frozen(Wrapper):
         ``torch.load(weights_only=False)``, the copy ``torch.optim.swa_utils.AveragedModel``
         makes for EMA and SWA) is frozen on its own: its ``unwrap()`` releases the copy's
         parameters and BatchNorm layers and leaves the original held, and the other way
-        round.
+        round. ``frozen.module = other`` freezes ``other`` and releases the old module.
 
     >>> trunk = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     >>> frozen_trunk = Frozen(trunk).train()
@@ -468,19 +482,19 @@ class Frozen(Wrapper):
     def __init__(self, module: nn.Module) -> None:
         caller = "Frozen()"
         check_module(module, caller, "the wrapped object")
-        # The whole module, as select(module, ()) would give it, without the selector
-        # grammar: a module with no parameters (a BatchNorm without affine) is fine here.
-        params = dict(module.named_parameters())
-        norms: dict[str, nn.Module] = {
-            name: m
-            for name, m in module.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        }
-        # Checked before the wrapper registers itself, so a refused module is left as it was
-        # and can be wrapped once the problem is fixed.
-        check_params(module, caller, params, False)
+        params, norms = _whole(module, caller)
         super().__init__(module)
         self._handle = FreezeHandle(module, caller, params, norms, False, "eval")
+
+    def _rewrap(self, old: nn.Module, new: nn.Module) -> None:
+        # ``frozen.module = other`` freezes ``other`` and releases ``old``, as unwrapping and
+        # wrapping again would: a Frozen wrapper never holds a module that still learns.
+        caller = "Frozen.module = ..."
+        params, norms = _whole(new, caller)
+        if self._handle.active:
+            self._handle.restore()
+        super()._rewrap(old, new)
+        self._handle = FreezeHandle(new, caller, params, norms, False, "eval")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors = iter_tensors((args, kwargs), f"Frozen({type(self.module).__name__})")

@@ -113,6 +113,78 @@ def test_a_wrapper_whose_module_was_replaced_unwraps_to_the_new_module() -> None
     assert wrapper.unwrap() is replacement
 
 
+def test_a_wrapper_whose_module_was_replaced_lets_go_of_the_old_one_and_holds_the_new() -> None:
+    old, new = nn.Linear(2, 2), nn.Linear(2, 2)
+    wrapper = Detached(old)
+    wrapper.module = new
+    assert Detached(old).module is old  # released: it can be wrapped again
+    with pytest.raises(
+        WrappingError,
+        match=r"^Detached\(\): this Linear is already wrapped in a live Detached",
+    ):
+        Detached(new)
+    assert wrapper.unwrap() is new
+    Detached(new)  # and released on unwrap
+
+
+def test_a_frozen_wrapper_whose_module_was_replaced_freezes_the_new_and_releases_the_old() -> None:
+    # A Frozen wrapper must never hold a module that still learns.
+    old = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    new = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    frozen = isolate.Frozen(old).train()
+    frozen.module = new
+    assert [p.requires_grad for p in new.parameters()] == [False] * 4
+    assert [p.requires_grad for p in old.parameters()] == [True] * 4
+    frozen.train()(torch.randn(3, 2))
+    assert not new[1].training and new[1].num_batches_tracked.item() == 0
+    old.train()(torch.randn(3, 2))
+    assert old[1].training and old[1].num_batches_tracked.item() == 1  # no longer held
+    assert frozen.unwrap() is new
+    assert [p.requires_grad for p in new.parameters()] == [True] * 4
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (
+            "not a module",
+            isolate.errors.IsolationTypeError,
+            r"must be a torch\.nn\.Module, got str",
+        ),
+        (None, isolate.errors.IsolationTypeError, r"must be a torch\.nn\.Module, got NoneType"),
+        (Cloned(nn.Linear(2, 2)), WrappingError, r"already wrapped in Cloned"),
+    ],
+)
+def test_a_replacement_module_that_cannot_be_wrapped_is_refused_and_nothing_changes(
+    value: object, error: type[Exception], message: str
+) -> None:
+    old = nn.Linear(2, 2)
+    frozen = isolate.Frozen(old)
+    with pytest.raises(error, match=r"^Frozen\.module = \.\.\.: .*" + message):
+        frozen.module = value
+    assert frozen.module is old
+    assert not old.weight.requires_grad and not old.bias.requires_grad
+    with pytest.raises(WrappingError, match="already wrapped in a live Frozen"):
+        isolate.Frozen(old)
+
+
+def test_a_replacement_module_held_by_another_frozen_wrapper_is_refused() -> None:
+    old, new = nn.Linear(2, 2), nn.Linear(2, 2)
+    frozen, other = isolate.Frozen(old), isolate.Frozen(new)
+    with pytest.raises(WrappingError, match=r"^Frozen\.module = \.\.\.: this Linear is already"):
+        frozen.module = new
+    assert frozen.module is old and other.module is new
+    assert not old.weight.requires_grad and not new.weight.requires_grad
+
+
+def test_a_replacement_module_with_lazy_parameters_is_refused_and_the_old_stays_frozen() -> None:
+    old = nn.Linear(2, 2)
+    frozen = isolate.Frozen(old)
+    with pytest.raises(isolate.errors.IsolationTypeError, match=r"^Frozen\.module = \.\.\.: "):
+        frozen.module = nn.LazyLinear(2)
+    assert frozen.module is old and not old.weight.requires_grad
+
+
 def test_a_wrapper_pickled_without_its_load_hook_names_keys_without_the_infix_once_loaded() -> None:
     # A wrapper saved before the hook existed: the copy gets it back, and only once.
     wrapper = Detached(nn.Linear(2, 2))
