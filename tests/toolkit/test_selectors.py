@@ -379,6 +379,7 @@ def test_names_are_picked_by_prefix_glob_and_exclusion_without_a_model() -> None
             "'head.weight', 'trunk.0.bias', 'trunk.0.weight']",
         ),
     ],
+    ids=["no-string", "empty", "type", "glob", "bangs", "nothing-out", "closest", "no-close"],
 )
 def test_a_bad_selector_of_names_is_refused_word_for_word(
     selectors: list[object], message: str
