@@ -133,7 +133,7 @@ def test_unwrapped_branch_leaks_through_a_plain_batch() -> None:
         (lambda b: isolate.scale_gradient(b, 0.0), r"scale_gradient\(\)"),
         (lambda b: isolate.GradientScale(0.5)(b), r"GradientScale\(\)"),
     ],
-    # Plain ids: mutmut records ids holding the regexes' backslashes doubled and cannot run them.
+    # Plain ids: under the regexes' ids mutmut did not run these tests (a mutant they kill lived).
     ids=[
         "Detached",
         "Detached-copy",
