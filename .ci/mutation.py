@@ -415,6 +415,28 @@ TESTS: dict[str, list[str]] = {
     ],
     # The file formats are read by the certificate's whole layer (opening, corruptions, one
     # pass, errors), not only by their mirror files.
+    # Selectors are resolved by freeze (and its holds), the spec's fields, and read over
+    # checkpoint keys (select_names) by the certificates' claims and errors.
+    "isolate/_selectors.py": [
+        "tests/toolkit/test_selectors.py",
+        "tests/toolkit/test_freezing.py",
+        "tests/toolkit/test_freezing_properties.py",
+        "tests/toolkit/test_holding.py",
+        "tests/spec/test_fields.py",
+        "tests/certificates/test_errors.py",
+        "tests/certificates/test_certificate.py",
+        "tests/certificates/test_peft.py",
+    ],
+    # The structures the wrappers map (Detached, Cloned, scale_gradient) and Frozen's
+    # forward walks, with the inputs they refuse.
+    "isolate/_tree.py": [
+        "tests/toolkit/test_tree.py",
+        "tests/toolkit/test_detaching.py",
+        "tests/toolkit/test_cloning.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_wrapping.py",
+        "tests/toolkit/test_freezing.py",
+    ],
     "isolate/certificates/safetensors_file.py": ["tests/certificates"],
     "isolate/certificates/torch_file.py": ["tests/certificates"],
 }

@@ -82,17 +82,25 @@ def describe(model: nn.Module) -> str:
 
 
 def _check_glob(pattern: str, caller: str) -> None:
-    depth = 0
-    for char in pattern:
-        if char == "[":
-            depth += 1
-        elif char == "]" and depth:
-            depth -= 1
-    if depth or pattern.count("]") > pattern.count("["):
-        raise SelectorError(
-            f"{caller}: malformed glob {pattern!r}: unbalanced '[' / ']'; "
-            f"escape a literal bracket as '[[]' or remove it"
-        )
+    """Refuse a ``[`` that no ``]`` closes, or a ``]`` outside a class: brackets read as
+    fnmatch reads them (a class runs from ``[``, then an optional ``!`` and a first ``]``
+    that both belong to it, to the next ``]``), so ``[[]`` and ``[]]`` are literal brackets."""
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "]":
+            break
+        if pattern[i] == "[":
+            start = i + 1 + pattern.startswith("!", i + 1)
+            i = pattern.find("]", start + pattern.startswith("]", start))
+            if i < 0:
+                break
+        i += 1
+    else:
+        return
+    raise SelectorError(
+        f"{caller}: malformed glob {pattern!r}: unbalanced '[' / ']'; escape a literal '[' "
+        f"as '[[]' and a literal ']' as '[]]', or remove it"
+    )
 
 
 def _glob_match(patterns: list[str]) -> Callable[[str], object]:
@@ -264,7 +272,11 @@ def _picked(model: nn.Module, selectors: tuple[Selector, ...], tree: Tree, calle
         else:
             ids = _match_one(model, selector, tree, module_ids, caller)
         if not ids:
-            shown = selector if isinstance(selector, str) else getattr(selector, "__name__", "")
+            shown = (
+                selector
+                if isinstance(selector, str)
+                else getattr(selector, "__name__", type(selector).__name__)
+            )
             hint = (
                 "; a module name must name a submodule that has parameters"
                 if isinstance(selector, str)
@@ -322,13 +334,13 @@ def select(
     picking, excluded = _split(selectors, caller)
     chosen = _picked(model, picking, tree, caller) if picking else set(tree.ids)
     removed: set[int] = set()
+    of = [s if isinstance(s, str) else type(s).__name__ for s in picking]
     for body in excluded:
         ids = _picked(model, (body,), tree, caller)
-        if not ids & chosen:
-            of = [s if isinstance(s, str) else type(s).__name__ for s in picking]
+        if not ids & chosen:  # never with exclusions alone: they start from everything
             raise SelectorError(
                 f"{caller}: the exclusion {_NOT + body!r} takes nothing out of "
-                f"{of or 'the whole model'} (it picks only parameters that are not selected); "
+                f"{of} (it picks only parameters that are not selected); "
                 f"remove it, or fix the name"
             )
         removed |= ids
@@ -341,7 +353,7 @@ def select(
     if not chosen:
         raise SelectorError(
             f"{caller}: the exclusions {[_NOT + b for b in excluded]} take out everything "
-            f"{[s for s in picking if isinstance(s, str)] or 'the whole model'} selects; "
+            f"{of or 'the whole model'} selects; "
             f"nothing is left"
         )
     selection = Selection()

@@ -306,8 +306,9 @@ def _refuse_extra_attributes(obj: object, fields: list[str], caller: str) -> Non
 
 def _refuse_kept_originals(old: object, new: object, caller: str) -> None:
     """A rebuilt mapping or sequence subclass must not still hold the original tensors (in
-    attributes its constructor copied over)."""
-    if type(old) in (list, tuple, dict) or not _attributes_hold_tensors(old):
+    attributes its constructor copied over). Only subclasses get here: map_tensors maps a
+    plain tuple, list or dict itself."""
+    if not _attributes_hold_tensors(old):
         return
     originals = {id(t) for _, t in _tensors_held(old)[0]}
     kept = [path for path, t in _tensors_held(new)[0] if id(t) in originals]

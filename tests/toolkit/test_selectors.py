@@ -3,6 +3,7 @@ the spec (freeze, thaw, protect), the audits and gradient_report; typos are erro
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 
 import pytest
@@ -11,7 +12,7 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from torch import nn
 
 from isolate import IsolationSpec, Thaw, assert_isolated, freeze, gradient_report
-from isolate._selectors import select
+from isolate._selectors import select, select_names
 from isolate.errors import GradientLeakError, SelectorError, SpecError
 from isolate.freezing import held_in_eval
 
@@ -231,3 +232,251 @@ def test_a_glob_over_the_buffers_of_a_norm_that_is_the_model_covers_it() -> None
     handle = freeze(norm, "[wr]*", bn="eval")  # the weight, and the running_* buffers' names
     assert held_in_eval(norm) == ("",)
     handle.restore()
+
+
+def test_a_type_selector_that_matches_nothing_lists_every_module_type_of_the_model() -> None:
+    types = "['BatchNorm1d', 'BatchNorm2d', 'Block', 'Conv2d', 'GroupNorm', 'LayerNorm', "
+    types += "'Linear', 'Net', 'Sequential']"
+    with pytest.raises(SelectorError) as e:
+        select(Net(), ("type:Dropout",), "test")
+    assert str(e.value) == (
+        f"test: 'type:Dropout' matched no module of Net; its module types are {types} "
+        f"(a name matches the class or any base class)"
+    )
+    with pytest.raises(SelectorError) as e:
+        select(Net(), ("head/type:Conv2d",), "test")
+    assert str(e.value) == (
+        f"test: 'head/type:Conv2d' matched no module under 'head' of Net; its module types "
+        f"are {types} (a name matches the class or any base class)"
+    )
+
+
+def test_a_scope_whose_name_holds_type_is_read_up_to_the_last_type() -> None:
+    model = nn.ModuleDict({"type:a": nn.Sequential(nn.Linear(2, 2)), "b": nn.Linear(2, 2)})
+    assert names(model, "type:a/type:Linear") == ["type:a.0.weight", "type:a.0.bias"]
+
+
+class Pair(nn.Module):
+    """Two blocks, each a Linear and a BatchNorm without parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False))
+        self.b = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False))
+
+
+def test_each_type_selector_covers_the_norms_without_parameters_below_what_it_matches() -> None:
+    model = Pair()
+    assert list(select(model, ("a/type:Sequential",), "test").norms) == ["a.1"]
+    both = select(model, ("a/type:Sequential", "b/type:Sequential"), "test")
+    assert list(both.norms) == ["a.1", "b.1"]
+    assert list(select(model, (model.a, "b/type:Sequential"), "test").norms) == ["a.1", "b.1"]
+
+
+def test_a_norm_whose_parameters_are_all_selected_is_covered_however_they_were_named() -> None:
+    net = Net()
+    picked = select(net, ("head.1.weight", "head.1.bias"), "test")
+    assert list(picked.norms) == ["head.1"]
+    by_object = select(net, (net.head[1].weight, net.head[1].bias), "test")
+    assert list(by_object.norms) == ["head.1"]
+    assert select(net, ("head.1.weight",), "test").norms == {}  # one of two is not enough
+
+
+def test_a_norm_registered_twice_is_covered_once_under_its_first_name() -> None:
+    model = Pair()
+    model.again = model.a[1]
+    assert list(select(model, (), "test").norms) == ["a.1", "b.1"]  # not "again" too
+
+
+def test_a_glob_covers_a_norm_without_parameters_by_the_full_names_of_its_buffers() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False))
+    picked = select(model, ("[01].*",), "test")
+    assert list(picked.params) == ["0.weight", "0.bias"]
+    assert list(picked.norms) == ["1"]
+
+
+class Shallow(nn.Module):
+    """A parameter and a BatchNorm without buffers, each named by one letter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+        self.n = nn.BatchNorm1d(2, track_running_stats=False)
+
+
+def test_a_glob_over_the_name_of_a_norm_with_parameters_does_not_cover_it() -> None:
+    picked = select(Shallow(), ("?",), "test")  # "w" and the name "n", not "n.weight"
+    assert list(picked.params) == ["w"]
+    assert picked.norms == {}
+
+
+def test_selectors_are_read_by_their_kind_never_as_module_names() -> None:
+    """A type selector or a glob that is also the name of a module (a ModuleDict key) picks
+    by its kind; the module of that name is not covered for it."""
+    model = nn.ModuleDict({"type:Linear": nn.BatchNorm1d(2, affine=False), "fc": nn.Linear(2, 2)})
+    assert select(model, ("type:Linear",), "test").norms == {}
+    odd = nn.Module()
+    odd.wx = nn.Parameter(torch.ones(2))
+    odd.add_module("w?", nn.BatchNorm1d(2, affine=False))
+    picked = select(odd, ("w?",), "test")  # "wx", and no buffer name of "w?"
+    assert list(picked.params) == ["wx"]
+    assert picked.norms == {}
+
+
+KEYS = [
+    "trunk.0.weight",
+    "trunk.0.bias",
+    "trunk.1.running_mean",
+    "head.weight",
+    "head.bias",
+    "head.scale",
+]
+TRUNK = KEYS[:3]
+
+
+def test_names_are_picked_by_prefix_glob_and_exclusion_without_a_model() -> None:
+    assert select_names(KEYS, ["trunk", "*.bias"], "doc") == [*TRUNK, "head.bias"]
+    assert select_names(KEYS, ["!head"], "doc") == TRUNK  # exclusions alone: from every name
+    assert select_names(KEYS, ["trunk", "!*.bias"], "doc") == [KEYS[0], KEYS[2]]
+    # Without each_must_match a selector or an exclusion that picks nothing is no error.
+    loose = select_names(KEYS, ["trunk", "nothing", "!head"], "doc", each_must_match=False)
+    assert loose == TRUNK
+
+
+@pytest.mark.parametrize(
+    ("selectors", "message"),
+    [
+        ([3], "doc: selectors of names must be non-empty strings, got 3"),
+        ([""], "doc: selectors of names must be non-empty strings, got ''"),
+        (
+            ["type:Linear"],
+            "doc: 'type:Linear' selects by module class, which the names do not tell (there "
+            "is no model); select by name or glob instead ('trunk', '*.norm.*')",
+        ),
+        (
+            ["trunk.[0"],
+            "doc: malformed glob 'trunk.[0': unbalanced '[' / ']'; escape a literal '[' as "
+            "'[[]' and a literal ']' as '[]]', or remove it",
+        ),
+        (
+            ["!!head"],
+            "doc: '!!head' is not an exclusion; write '!' once, followed by a module name, a "
+            "glob or a type selector ('!head', '!type:BatchNorm2d')",
+        ),
+        (
+            ["!head", "!head.weight"],
+            "doc: the exclusion '!head.weight' takes nothing out of everything in the names; "
+            "remove it, or fix the name",
+        ),
+        (
+            ["head.wieght"],
+            "doc: 'head.wieght' matched none of the names; "
+            "closest: ['head.weight', 'head.bias', 'head.scale']",
+        ),
+        (
+            ["xyzzy"],
+            "doc: 'xyzzy' matched none of the names; they start ['head.bias', 'head.scale', "
+            "'head.weight', 'trunk.0.bias', 'trunk.0.weight']",
+        ),
+    ],
+    ids=["no-string", "empty", "type", "glob", "bangs", "nothing-out", "closest", "no-close"],
+)
+def test_a_bad_selector_of_names_is_refused_word_for_word(
+    selectors: list[object], message: str
+) -> None:
+    with pytest.raises(SelectorError) as e:
+        select_names(KEYS, selectors, "doc")  # type: ignore[arg-type]
+    assert str(e.value) == message
+
+
+class Gate(nn.Module):
+    """A block whose own forward reads ``.training``, around a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if self.training else x
+
+
+def test_exclusions_take_the_layers_they_cover_out_of_the_norms_and_the_modes() -> None:
+    model = Pair()
+    assert list(select(model, ("!b",), "test").norms) == ["a.1"]  # b.1 has no parameter
+    net = Net()
+    assert list(select(net, ("head", "!head.1.weight"), "test").norms) == []  # half of head.1
+    held = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Dropout()), Gate())
+    picked = select(held, ("!1",), "test", modes=True)
+    assert list(picked.modes) == ["2"]  # the dropout is excluded, the gate is not
+    # The gate holds no parameter of its own: excluding its Linear leaves it covered.
+    assert list(select(held, ("!2.fc",), "test", modes=True).modes) == ["1.1", "2"]
+    assert select(held, ("!2.fc",), "test").modes == {}  # only with modes=True
+
+
+def test_what_picks_nothing_is_refused_by_its_name_or_its_type() -> None:
+    net = Net()
+    with pytest.raises(SelectorError) as e:
+        select(net, ("nope",), "test")
+    assert str(e.value) == (
+        "test: 'nope' matched no parameter of Net; its children are ['backbone', 'head']; a "
+        "module name must name a submodule that has parameters"
+    )
+
+    def nothing(name: str, p: nn.Parameter) -> bool:
+        return False
+
+    with pytest.raises(SelectorError) as e:
+        select(net, (nothing,), "test")
+    assert str(e.value) == "test: 'nothing' matched no parameter of Net; its children are " + (
+        "['backbone', 'head']"
+    )
+    model = Pair()
+    with pytest.raises(SelectorError) as e:
+        select(model, (model.a[1],), "test")
+    assert str(e.value) == "test: 'BatchNorm1d' matched no parameter of Pair; its children " + (
+        "are ['a', 'b']"
+    )
+    with pytest.raises(SelectorError) as e:
+        select(model, (nn.Linear(2, 2),), "test")
+    assert str(e.value) == (
+        "test: the Linear passed as a selector is not a submodule of Pair; its children are "
+        "['a', 'b']; pass one of its own modules or a name"
+    )
+    with pytest.raises(SelectorError, match=r"^test: the exclusions \['!head'\] take out"):
+        select(net, ("head.*", "!head"), "test")  # a glob's picks are taken out too
+
+
+def test_an_exclusion_that_takes_nothing_out_names_the_module_selectors_by_type() -> None:
+    net = Net()
+    with pytest.raises(SelectorError) as e:
+        select(net, (net.head, "backbone.0", "!backbone.2"), "test")
+    assert str(e.value) == (
+        "test: the exclusion '!backbone.2' takes nothing out of ['Sequential', 'backbone.0'] "
+        "(it picks only parameters that are not selected); remove it, or fix the name"
+    )
+
+
+def test_exclusions_that_take_out_everything_are_refused_naming_what_was_selected() -> None:
+    net = Net()
+    with pytest.raises(SelectorError) as e:
+        select(net, ("!backbone", "!head"), "test")
+    assert str(e.value) == (
+        "test: the exclusions ['!backbone', '!head'] take out everything the whole model "
+        "selects; nothing is left"
+    )
+    with pytest.raises(SelectorError) as e:
+        select(net, (net.head, "!head"), "test")
+    assert str(e.value) == (
+        "test: the exclusions ['!head'] take out everything ['Sequential'] selects; nothing is left"
+    )
+
+
+def test_a_literal_bracket_is_escaped_as_the_error_says() -> None:
+    keys = ["w[0]", "w[1]", "w!", "b"]
+    assert select_names(keys, ["w[[]*"], "doc") == ["w[0]", "w[1]"]
+    assert select_names(keys, ["*[]]"], "doc") == ["w[0]", "w[1]"]
+    assert select_names(keys, ["w[!]]"], "doc") == ["w!"]  # a class of all but ']'
+    assert select_names(keys, ["w[[]?[]]"], "doc") == ["w[0]", "w[1]"]
+    for typo in ("w[0", "w*]", "w[!]", "w[]", "w[[]0]"):
+        with pytest.raises(SelectorError, match=rf"^doc: malformed glob {re.escape(repr(typo))}"):
+            select_names(keys, [typo], "doc")

@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import re
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import isolate
+from isolate._tree import iter_tensors, map_tensors
 from isolate.errors import IsolationTypeError
 
 
@@ -130,6 +132,18 @@ def test_unwrapped_branch_leaks_through_a_plain_batch() -> None:
         (lambda b: isolate.scale_gradient([b], -1.0), r"scale_gradient\(\)"),
         (lambda b: isolate.scale_gradient(b, 0.0), r"scale_gradient\(\)"),
         (lambda b: isolate.GradientScale(0.5)(b), r"GradientScale\(\)"),
+    ],
+    # Plain ids: under the regexes' ids mutmut did not run these tests (a mutant they kill lived).
+    ids=[
+        "Detached",
+        "Detached-copy",
+        "Cloned",
+        "Frozen",
+        "stop_gradient",
+        "clone",
+        "scale_gradient-list",
+        "scale_gradient-zero",
+        "GradientScale",
     ],
 )
 def test_a_plain_object_holding_tensors_is_refused(
@@ -327,3 +341,217 @@ def test_a_rebuilt_container_that_keeps_the_original_tensors_is_refused() -> Non
             isolate.stop_gradient(batch)
     finally:
         _WithMask.source = None
+
+
+class _WithMasks(list):  # type: ignore[type-arg]
+    """A list subclass whose constructor copies four tensors over from outside its items."""
+
+    source: tuple[torch.Tensor, ...] = ()
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        super().__init__(items)
+        self.masks = list(_WithMasks.source)
+
+
+def test_a_refusal_names_the_class_to_register_and_at_most_three_places() -> None:
+    x = torch.ones(2, requires_grad=True)
+    _WithMasks.source = tuple(x * k for k in range(4))
+    try:
+        with pytest.raises(IsolationTypeError) as e:
+            isolate.stop_gradient(_WithMasks([x * 5]))
+    finally:
+        _WithMasks.source = ()
+    assert str(e.value) == (
+        f"stop_gradient(): {__name__}._WithMasks rebuilt from its items still holds the "
+        f"original tensors at ['.masks[0]', '.masks[1]', '.masks[2]'], which are not "
+        f"reached; register a flatten/unflatten rule with "
+        f"torch.utils._pytree.register_pytree_node(_WithMasks, flatten_fn, unflatten_fn) so "
+        f"that its tensors can be reached (a rule whose flatten_fn returns no children passes "
+        f"it through on purpose), or pass the tensors in a tuple, list, dict or dataclass"
+    )
+    with pytest.raises(IsolationTypeError) as e:
+        isolate.Detached(nn.Identity())(WithCache(x))
+    assert str(e.value).endswith(
+        "make them fields, or register a flatten/unflatten rule with "
+        "torch.utils._pytree.register_pytree_node(WithCache, flatten_fn, unflatten_fn) so "
+        "that its tensors can be reached (a rule whose flatten_fn returns no children passes "
+        "it through on purpose), or pass the tensors in a tuple, list, dict or dataclass"
+    )
+
+
+class _Tagged(list):  # type: ignore[type-arg]
+    """A list subclass with an attribute that holds no tensor."""
+
+    def __init__(self, items: list[torch.Tensor]) -> None:
+        super().__init__(items)
+        self.tag = "batch"
+
+
+def test_a_map_that_returns_its_tensors_keeps_a_container_whose_attributes_hold_none() -> None:
+    x = torch.ones(2)
+    out = map_tensors(lambda t: t, _Tagged([x]))
+    assert type(out) is _Tagged and out[0] is x and out.tag == "batch"
+
+
+class _OneSlot:
+    __slots__ = "data"  # a single slot may be named by a bare string
+
+
+class _WeakFirst:
+    __slots__ = ("__weakref__", "x")
+
+
+class _TwoSlots:
+    __slots__ = ("a", "b")
+
+
+@dataclasses.dataclass
+class _DictSlot:
+    __slots__ = ("__dict__",)
+    x: torch.Tensor
+
+
+def test_tensors_in_slots_are_found_whatever_the_slots_declare() -> None:
+    x = torch.ones(2, requires_grad=True)
+    one, weak, two = _OneSlot(), _WeakFirst(), _TwoSlots()
+    one.data, weak.x, two.b = x, x, x  # two.a is left unset
+    for obj, path in ((one, ".data"), (weak, ".x"), (two, ".b")):
+        with pytest.raises(IsolationTypeError, match=rf"holding 1 tensor\(s\) at \{path};"):
+            isolate.stop_gradient([obj])
+    # A dataclass keeping its fields in a declared __dict__ slot has no attribute besides them.
+    out = isolate.Detached(nn.Identity())(_DictSlot(x * 2))
+    assert type(out) is _DictSlot and not out.x.requires_grad
+
+
+class _Holder:
+    __slots__ = ("__weakref__", "a")
+
+
+class _Empty:
+    pass
+
+
+def test_the_look_into_an_unknown_object_stops_after_ten_thousand_objects() -> None:
+    """The holder, its list and 9,998 empty objects are 10,000 objects: looked through; one
+    more is too many. A weak reference to the holder is not an object it holds."""
+    x = torch.ones(2, requires_grad=True)
+    holder = _Holder()
+    holder.a = [_Empty() for _ in range(9_998)]
+    ref = weakref.ref(holder)
+    assert isolate.stop_gradient([x, holder])[1] is holder
+    holder.a.append(_Empty())
+    with pytest.raises(
+        IsolationTypeError, match=r"_Holder too large to look through \(10000 objects\)"
+    ):
+        isolate.stop_gradient([x, holder])
+    assert ref() is holder
+
+
+class _Three:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.a, self.b, self.c = x, x * 2, x * 3
+
+
+class _Unreadable(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A mapping whose items cannot be listed, with a tensor in an attribute."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.t = x
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("not iterable")
+
+    def __len__(self) -> int:
+        return 1
+
+
+class _Outer:
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
+def test_the_look_for_held_tensors_names_each_place_and_skips_code() -> None:
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(IsolationTypeError, match=r"holding 3 tensor\(s\) at \.a, \.b, \.c; "):
+        isolate.stop_gradient([_Three(x)])  # three places, no "..."
+    with pytest.raises(IsolationTypeError, match=r"holding 1 tensor\(s\) at \.inner\.t; "):
+        isolate.stop_gradient([_Outer(_Unreadable(x))])  # looked at as a plain object
+    # Classes, functions and modules are not looked into (torch's namespace is huge).
+    code = _Outer([torch, nn.Linear, torch.relu, len, _Three])
+    assert isolate.stop_gradient([x, code])[1] is code
+
+
+def test_the_walks_refuse_in_isolates_name_by_default() -> None:
+    _, batch = _trunk_and_batch()
+    with pytest.raises(IsolationTypeError, match=rf"^isolate: {BATCH_REFUSED}"):
+        list(iter_tensors([batch]))
+    with pytest.raises(IsolationTypeError, match=rf"^isolate: {BATCH_REFUSED}"):
+        map_tensors(torch.Tensor.detach, [batch])
+
+
+def test_iter_tensors_reaches_every_container_and_refuses_in_the_callers_name() -> None:
+    x, y = torch.ones(1), torch.zeros(1)
+    assert [id(t) for t in iter_tensors(Pair(x, (y,)), "me")] == [id(x), id(y)]  # a namedtuple
+    assert [id(t) for t in iter_tensors(Store(a=x, b=y), "me")] == [id(x), id(y)]  # a Mapping
+    _, batch = _trunk_and_batch()
+    for holder in (
+        {"k": batch},
+        collections.OrderedDict(k=batch),  # a pytree node
+        Pair(x, batch),
+        Store(k=batch),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(IsolationTypeError, match=rf"^me: {BATCH_REFUSED}"):
+            list(iter_tensors(holder, "me"))
+
+
+@dataclasses.dataclass
+class _Fields:
+    x: torch.Tensor
+    rest: Any = None
+
+
+def test_a_namespace_and_a_dataclass_are_walked_and_mapped_at_the_top_too() -> None:
+    x, y = torch.ones(1), torch.zeros(1)
+    assert [id(t) for t in iter_tensors(types.SimpleNamespace(a=x, b=y), "me")] == [id(x), id(y)]
+    assert [id(t) for t in iter_tensors(_Fields(x, (y,)), "me")] == [id(x), id(y)]
+    _, batch = _trunk_and_batch()
+    for holder in (types.SimpleNamespace(b=batch), _Fields(x, batch)):
+        with pytest.raises(IsolationTypeError, match=rf"^me: {BATCH_REFUSED}"):
+            list(iter_tensors(holder, "me"))
+    with pytest.raises(IsolationTypeError, match=r"^me: the dataclass .*WithCache holds tensors"):
+        list(iter_tensors(WithCache(x), "me"))
+    leaf = torch.ones(1, requires_grad=True)
+    out = isolate.stop_gradient(_Fields(leaf * 2))  # a dataclass alone, not in a tuple
+    assert type(out) is _Fields and not out.x.requires_grad and torch.equal(out.x, leaf * 2)
+
+
+class _Tup(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that is no named tuple: rebuilt from one iterable."""
+
+
+def test_map_tensors_rebuilds_every_container_and_refuses_in_the_callers_name() -> None:
+    leaf = torch.ones(1, requires_grad=True)
+    out = isolate.stop_gradient(_Tup((leaf * 2, leaf * 3)))
+    assert type(out) is _Tup and [t.tolist() for t in out] == [[2.0], [3.0]]
+    assert not any(t.requires_grad for t in out)
+    _, batch = _trunk_and_batch()
+    for holder in (
+        collections.OrderedDict(k=batch),  # a pytree node
+        Pair(leaf, batch),
+        types.SimpleNamespace(b=batch),
+        _Fields(leaf, batch),
+        Store(k=batch),  # type: ignore[arg-type]
+        _Tup((leaf, batch)),
+    ):
+        with pytest.raises(IsolationTypeError, match=rf"^stop_gradient\(\): {BATCH_REFUSED}"):
+            isolate.stop_gradient(holder)
+    with pytest.raises(
+        IsolationTypeError,
+        match=rf"^stop_gradient\(\): cannot rebuild {HERE}\.Store from its mapped items "
+        r"\(TypeError: .*\); register a flatten/unflatten rule with "
+        r"torch\.utils\._pytree\.register_pytree_node\(Store, flatten_fn, unflatten_fn\)",
+    ):
+        isolate.stop_gradient(Store(k=leaf))
