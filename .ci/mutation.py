@@ -382,6 +382,15 @@ TESTS: dict[str, list[str]] = {
     "isolate/certificates/checkpoint.py": ["tests/certificates"],
     "isolate/certificates/certificate.py": ["tests/certificates"],
     "isolate/certificates/streaming.py": ["tests/certificates"],
+    "isolate/certificates/verdicts.py": ["tests/certificates"],
+    "isolate/certificates/structure.py": ["tests/certificates"],
+    "isolate/certificates/claims.py": ["tests/certificates"],
+    "isolate/certificates/compare.py": ["tests/certificates"],
+    "isolate/certificates/peft.py": ["tests/certificates"],
+    "isolate/certificates/api.py": ["tests/certificates"],
+    "isolate/certificates/dcp_folder.py": ["tests/certificates"],
+    # The command line's parsing errors are also checked with the package's other commands.
+    "isolate/certificates/cli.py": ["tests/certificates", "tests/toolkit/test_cli.py"],
     # Every file that wraps a module (Frozen, Detached, Cloned), copies or pickles a wrapper,
     # loads its state_dict, or wraps one twice (the mirror test file has six tests).
     "isolate/_wrapping.py": [

@@ -3,15 +3,36 @@ thawed, rows, ties, and keys in one file only."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from isolate.certificates import certify
+from isolate.certificates.certificate import Certificate, Verdict
+from isolate.certificates.checkpoint import Source, TensorMeta
+from isolate.certificates.claims import Claim
 from isolate.certificates.compare import diff_rows, is_constant
+from isolate.certificates.dcp_folder import DcpCheckpoint
+from isolate.certificates.verdicts import Pair, judge
+from isolate.fingerprints import fingerprint
 from isolate.spec import IsolationSpec
-from tests.certificates._data import FORMATS, SPEC, base_state, pair, trained
+from tests.certificates._data import (
+    ALPHA,
+    FORMATS,
+    SPEC,
+    R,
+    base_state,
+    lora_adapter,
+    lora_base,
+    lora_config,
+    merged,
+    pair,
+    trained,
+    write_lora,
+)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -227,3 +248,202 @@ def test_a_tensor_of_one_element_or_none_counts_as_constant() -> None:
     assert is_constant(torch.tensor(3.0)) and is_constant(torch.tensor([5.0]))
     assert is_constant(torch.empty(0)) and is_constant(torch.ones(4))
     assert not is_constant(torch.arange(4.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Each verdict's words, and the parts of a tensor a folder stores in several files
+
+
+class _Parts:
+    """A folder checkpoint (as ``Pair`` sees one) that stores its one tensor ``w`` in parts."""
+
+    def __init__(self, path: Path, tensor: torch.Tensor, sources: list[Source]) -> None:
+        self.path, self.tensor, self.parts = path, tensor, sources
+        self.metas = {"w": TensorMeta(tensor.dtype, tuple(tensor.shape))}
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.tensor
+
+    def sources(self, key: str) -> list[Source]:
+        return self.parts
+
+
+def _judged(tmp: Path, kind: str, base: torch.Tensor, tuned: torch.Tensor, parts: list) -> Verdict:
+    sources = [Source(file, offsets, sizes) for file, offsets, sizes in parts]
+    first, second = _Parts(tmp, base, sources), _Parts(tmp, tuned, sources)
+    claim = Claim(kind, "declared")  # type: ignore[arg-type]
+    return judge(
+        Pair("w", claim, first, second, fingerprint(base), fingerprint(tuned), None, 2.0)  # type: ignore[arg-type]
+    )
+
+
+def test_parts_stored_unchanged_while_the_others_moved_are_named_with_their_boxes(
+    tmp_path: Path,
+) -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    parts = [("a", (0, 0), (2, 6)), ("b", (2, 0), (2, 3)), ("c", (2, 3), (2, 3))]
+    tuned = base.clone()
+    tuned[1, 5] += 1  # only the part in a moved
+    verdict = _judged(tmp_path, "trainable", base, tuned, parts)
+    assert (verdict.ok, verdict.finding) == (False, "part did not move")
+    assert verdict.detail == (
+        "2 of 3 stored parts are bitwise the base's while the others moved: a stale shard? "
+        "(b at [2, 0], c at [2, 3])"
+    )
+    tuned[3, 2] += 1  # b moved too; c is stale alone
+    verdict = _judged(tmp_path, "trainable", base, tuned, parts)
+    assert verdict.detail.startswith("1 of 3 stored parts") and verdict.detail.endswith(
+        "(c at [2, 3])"
+    )
+    tuned[2, 3] += 1  # every part moved
+    verdict = _judged(tmp_path, "trainable", base, tuned, parts)
+    assert (verdict.ok, verdict.finding, verdict.detail) == (True, "moved", "")
+    two = [("a", (0, 0), (2, 6)), ("b", (2, 0), (2, 6))]
+    tuned = base.clone()
+    tuned[0] += 1
+    assert _judged(tmp_path, "trainable", base, tuned, two).detail.endswith("(b at [2, 0])")
+
+
+def test_a_changed_frozen_tensor_names_the_files_that_hold_its_first_thousand_changed_rows(
+    tmp_path: Path,
+) -> None:
+    base = torch.zeros(1002, 1)
+    parts = [("a", (0, 0), (1000, 1)), ("b", (1000, 0), (2, 1))]
+    verdict = _judged(tmp_path, "frozen", base, base + 1, parts)
+    assert (verdict.ok, verdict.finding) == (False, "changed")
+    assert verdict.detail == (
+        "1002 of 1002 rows differ (rows [0, 1, 2, 3, 4, ...]), 1002 elements, max |diff| 1 in ['a']"
+    )
+    tuned = base.clone()
+    tuned[1] += 1  # held by a, which starts at row 0 and holds 1000 rows
+    tuned[1001] += 1  # held by b, from row 1000
+    assert _judged(tmp_path, "frozen", base, tuned, parts).detail.endswith(" in ['a', 'b']")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_verdict_on_a_frozen_tensor_says_exactly_what_changed_and_where(
+    tmp_path: Path, fmt: str
+) -> None:
+    base = base_state()
+    tuned = trained(base)
+    tuned["trunk.0.weight"][4, 2] += 1.0
+    first, second = pair(tmp_path, fmt, tuned)
+    cert = certify(first, second, spec={**SPEC, "bn": "train"})
+    fail = cert.verdict("trunk.0.weight")
+    where = stored = ""
+    if fmt == "dcp":
+        with DcpCheckpoint(second) as reader:
+            where = f" in {[s.file for s in reader.sources('trunk.0.weight')]}"
+            stored = f" (stored in {[s.file for s in reader.sources('trunk.1.weight')]})"
+    assert fail.detail == f"1 of 6 rows differ (rows [4]), 1 element, max |diff| 1{where}"
+    assert fail.base == f"{fingerprint(base['trunk.0.weight']):032x}"
+    assert fail.tuned == f"{fingerprint(tuned['trunk.0.weight']):032x}"
+    held = cert.verdict("trunk.0.bias")
+    assert (held.ok, held.finding, held.detail) == (True, "bitwise unchanged", "")
+    free = cert.verdict("trunk.1.running_var")  # bn="train": free, and it did not move
+    assert (free.claim, free.ok, free.finding) == ("free", None, "bitwise unchanged")
+    still = certify(first, second, spec={"freeze": ["head"]}).verdict("trunk.1.weight")
+    assert (still.finding, still.detail) == (
+        "did not move",
+        f"declared trainable, bitwise unchanged{stored}",
+    )
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_a_per_row_verdict_names_the_rows_that_broke_the_claim_and_where(
+    tmp_path: Path, fmt: str
+) -> None:
+    base = {"w": torch.zeros(16, 2)}
+    tuned = {"w": torch.zeros(16, 2)}
+    tuned["w"][[0, 8, 9, 10, 11, 12, 13]] = 1.0
+    good = certify(
+        *pair(tmp_path, fmt, {"w": tuned["w"][:1]}, {"w": base["w"][:1]}), rows={"w": [0]}
+    )
+    assert (good.verdict("w").ok, good.verdict("w").finding) == (
+        True,
+        "1 rows moved, the others unchanged",
+    )
+    first, second = pair(tmp_path, fmt, tuned, base)
+    verdict = certify(first, second, rows={"w": range(7)}).verdict("w")
+    where = ""
+    if fmt == "dcp":
+        with DcpCheckpoint(second) as reader:
+            where = f" in {[s.file for s in reader.sources('w')]}"
+    assert (verdict.ok, verdict.finding) == (False, "rows broken")
+    assert verdict.detail == (
+        f"6 frozen rows changed (rows [8, 9, 10, 11, 12]){where}; "
+        "6 trainable rows did not move (rows [1, 2, 3, 4, 5])"
+    )
+
+
+def _lora(
+    tmp: Path, tuned: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]
+) -> Certificate:
+    paths = write_lora(tmp, tuned, adapter, modules_to_save=["lm_head"])
+    return certify(
+        paths["base"], paths["tuned"], adapter_config=paths["config"], adapter=paths["adapter"]
+    )
+
+
+def test_a_saved_module_is_the_adapters_copy_bitwise_or_after_a_cast_and_named_when_not(
+    tmp_path: Path,
+) -> None:
+    head = "base_model.model.lm_head.weight"
+    adapter = lora_adapter(head=True)
+    good = _lora(tmp_path, merged(lora_base(), adapter), adapter).verdict("lm_head.weight")
+    assert (good.claim, good.ok, good.finding, good.detail) == (
+        "saved",
+        True,
+        "the adapter's copy",
+        "bitwise",
+    )
+    dropped = merged(lora_base(), adapter)
+    dropped["lm_head.weight"] = lora_base()["lm_head.weight"]  # the trained copy thrown away
+    bad = _lora(tmp_path, dropped, adapter).verdict("lm_head.weight")
+    assert bad.detail.startswith(f"differs from {head} in adapter_model.safetensors: 12 of 12 ")
+    assert bad.detail.endswith(
+        ", max |diff| 3.5; it is the base's: the trained copy was dropped at merge"
+    )
+    # the adapter kept its copy in float32, the merged model holds it in bfloat16
+    wide = {**adapter, head: adapter[head].float()}
+    tuned = merged(lora_base(), adapter)
+    cast = _lora(tmp_path, tuned, wide).verdict("lm_head.weight")
+    assert (cast.ok, cast.finding, cast.detail) == (
+        True,
+        "the adapter's copy",
+        "bitwise (cast from torch.float32)",
+    )
+    tuned["lm_head.weight"][3] += 1
+    off = _lora(tmp_path, tuned, wide).verdict("lm_head.weight")
+    assert (off.ok, off.finding) == (False, "not the adapter's copy")
+    assert off.detail.startswith(
+        f"differs from {head} in adapter_model.safetensors (cast from torch.float32): "
+        "1 of 12 rows differ (rows [3]), 8 elements"
+    )
+    assert "dropped" not in off.detail  # the tuned copy moved: not the base's
+
+
+def test_a_fan_in_fan_out_merge_is_checked_against_the_transposed_delta(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    weight = "model.c_attn.weight"  # Conv1D: (in, out)
+    base = {weight: torch.randn(8, 16, generator=g)}
+    a = 0.3 * torch.randn(R, 8, generator=g)
+    b = 0.3 * torch.randn(16, R, generator=g)
+    adapter = {
+        "base_model.model.model.c_attn.lora_A.weight": a,
+        "base_model.model.model.c_attn.lora_B.weight": b,
+    }
+    config = {**lora_config(), "target_modules": ["c_attn"], "fan_in_fan_out": True}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    save_file(
+        {weight: base[weight] + (ALPHA / R) * (b @ a).T}, str(tmp_path / "merged.safetensors")
+    )
+    save_file(adapter, str(tmp_path / "adapter.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    cert = certify(
+        tmp_path / "base.safetensors",
+        tmp_path / "merged.safetensors",
+        adapter_config=tmp_path / "adapter_config.json",
+        adapter=tmp_path / "adapter.safetensors",
+    )
+    assert (cert.verdict(weight).ok, cert.verdict(weight).finding) == (True, "merged")
