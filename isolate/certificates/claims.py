@@ -89,7 +89,7 @@ def load_spec(spec: object) -> SpecData:
         if not path.is_file():
             raise CertificateError(f"{CALLER}: spec file {str(path)!r} does not exist")
         text = path.read_text()
-        if path.suffix == ".json":
+        if path.suffix.lower() == ".json":
             data: Any = json.loads(text)
         else:
             try:

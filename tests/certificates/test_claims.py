@@ -154,6 +154,8 @@ def test_without_pyyaml_a_json_spec_is_read_and_a_yaml_one_says_to_install_it(
     (tmp_path / "spec.json").write_text(json.dumps({"freeze": ["trunk"]}))
     monkeypatch.setitem(sys.modules, "yaml", None)  # the import fails
     assert load_spec(tmp_path / "spec.json").freeze == ("trunk",)  # JSON needs no PyYAML
+    (tmp_path / "SPEC.JSON").write_text(json.dumps({"freeze": ["head"]}))
+    assert load_spec(tmp_path / "SPEC.JSON").freeze == ("head",)  # whatever the case
     with pytest.raises(CertificateError) as error:
         load_spec(tmp_path / "spec.yml")
     assert str(error.value) == (
