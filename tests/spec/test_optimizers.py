@@ -12,6 +12,7 @@ import isolate
 from isolate import IsolationSpec, Thaw
 from isolate.errors import (
     CheckpointMismatchError,
+    IsolationTypeError,
     SpecError,
 )
 from isolate.spec.optimizers import add_group
@@ -546,4 +547,55 @@ def test_an_optimizer_that_steps_without_gradients_is_refused_with_what_it_holds
         f"(['trunk.3.weight', 'trunk.3.bias']) nor thawed groups added "
         f"({['trunk.3'] if thaw else []}). Build it after apply from the trainable parameters "
         "only, and leave thaws out of a spec it trains"
+    )
+
+
+def test_a_group_thawed_without_lr_joins_its_source_groups_schedule_where_it_stands() -> None:
+    model = Net()
+    opt = _two_groups(model, list(model.trunk[3].parameters()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda e: 0.5**e, lambda e: 0.1**e])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a schedule that moved before the spec was attached
+        sched.step()  # group 1 (trunk.3's own) is at a tenth of its base lr 0.3
+    handle = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1)]).apply(model)
+    handle.attach(opt, [sched])
+    try:
+        handle.step(epoch=1, step=1)
+        thawed = opt.param_groups[-1]
+        assert thawed["initial_lr"] == 0.3 and thawed["lr"] == pytest.approx(0.03)
+        assert sched.base_lrs == [0.1, 0.3, 0.3]
+        model(torch.randn(4, 4))[0].sum().backward()
+        opt.step()
+        sched.step()
+        assert thawed["lr"] == pytest.approx(0.003)  # group 1's lambda, not group 0's
+    finally:
+        handle.restore()
+
+
+def test_an_aligned_group_follows_the_lr_of_the_group_it_came_from_at_each_step() -> None:
+    model = Net()
+    opt = _two_groups(model, list(model.trunk[3].parameters()))
+    spec = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1, align=True)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = spec.apply(model, optimizer=opt)
+    try:
+        handle.step(epoch=1, step=1)
+        opt.param_groups[1]["lr"] = 0.25  # as a scheduler of group 1 would
+        used: list[float] = []
+        opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[-1]["lr"]))
+        model(torch.randn(4, 4))[0].sum().backward()
+        opt.step()
+        assert used == [0.25]
+    finally:
+        handle.restore()
+
+
+def test_an_optimizer_that_is_not_one_is_refused_by_its_type() -> None:
+    model = Net()
+    opts = [torch.optim.SGD(model.head.parameters()), "sgd"]
+    with pytest.raises(IsolationTypeError) as caught:
+        IsolationSpec(freeze=["trunk"]).apply(model, optimizer=opts)
+    assert str(caught.value) == (
+        "IsolationSpec: optimizer must be a torch.optim.Optimizer (or a list of them), got str"
     )
