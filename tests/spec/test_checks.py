@@ -6,13 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+import isolate.spec.checks as checks
 from isolate import IsolationSpec
+from isolate._text import shown
+from isolate.drift import snapshot
 from isolate.errors import (
+    CutOffError,
     DriftError,
     GradientLeakError,
     SpecError,
+    StaleCompileError,
 )
-from isolate.spec.checks import Verification
+from isolate.spec.cadence import CHECKS
+from isolate.spec.checks import Tally, Verification, check_drift, check_optimizers, check_reach
 from tests.spec._models import SPEC, Net
 
 pytestmark = pytest.mark.filterwarnings("ignore::isolate.IsolationWarning")
@@ -276,3 +282,109 @@ def test_a_branch_called_around_its_wrapper_is_found_from_the_total_loss() -> No
         handle.step(epoch=0, step=2)
         features = model.trunk(torch.randn(5, 4))
         handle.verify(total=model.head(features).sum() + model.aux(features).sum())
+
+
+def test_the_tally_says_each_loss_each_contract_and_a_check_of_its_own() -> None:
+    tally = Tally()
+    tally.add(Verification(losses={"probe": 4, "aux": 2}, contracts={"t": 3, "p": 1}), CHECKS)
+    tally.add(Verification(flags=6), ("flags", "mine"))
+    assert str(tally) == (
+        "verify ran 2 times; every check passed:\n"
+        "  params (1x): 0 parameters of the spec were still the objects the model holds (none "
+        "replaced)\n"
+        "  losses (1x): 'probe' reached none of the 4 parameters it must not reach; 'aux' "
+        "reached none of the 2 parameters it must not reach\n"
+        "  drift (1x): 0 frozen tensors (parameters, buffers of the frozen part) unchanged "
+        "since frozen\n"
+        "  flags (2x): 6 frozen parameters still had requires_grad=False\n"
+        "  optimizers (1x): 0 optimizer(s) held no frozen parameter\n"
+        "  contracts (1x): contract 't' held (3 clause checks); contract 'p' held (1 clause "
+        "checks)\n"
+        "  mine (1x): passed"
+    )
+
+
+def test_a_parameter_expected_unused_is_not_reported_as_cut_off() -> None:
+    model = Net()
+    handle = IsolationSpec(freeze=["trunk"]).apply(model)
+    try:
+        handle.step(epoch=0, step=0)
+        head, _ = model(torch.randn(5, 4))
+        with pytest.raises(CutOffError, match=r"aux\.weight"):
+            handle.verify(total=head.sum(), checks=("reach",))
+        head, _ = model(torch.randn(5, 4))
+        checked = handle.verify(total=head.sum(), expected_unused=["aux"], checks=("reach",))
+        assert checked.reach == 4 and checked.violations == ()  # the head's and aux's
+    finally:
+        handle.restore()
+
+
+def test_a_stale_compiled_region_is_reported_with_the_parameters_it_hides_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = Net()
+    hidden = (model.trunk[3].weight, "not a tensor", model.trunk[3].bias)
+
+    def stale(*args: object, **kwargs: object) -> None:
+        error = StaleCompileError("the region was compiled before the thaw")
+        error.tensors = hidden
+        raise error
+
+    monkeypatch.setattr(checks, "cut_off_parameters", stale)
+    reached, found = check_reach(model, torch.zeros(()), (), "at step 3", "C")
+    assert reached == 0 and [type(e) for e in found] == [StaleCompileError]
+    assert str(found[0]) == (
+        "C: at step 3, ['trunk.3.weight', 'trunk.3.bias'] get no gradient: the region was "
+        "compiled before the thaw"
+    )
+    assert found[0].tensors is hidden  # type: ignore[attr-defined]
+
+
+def test_frozen_parameters_back_in_any_optimizer_are_named_with_every_reason() -> None:
+    model = Net()
+    weight, bias = model.trunk[0].weight, model.trunk[0].bias
+    weight.requires_grad_(False)
+    model.head.weight.requires_grad_(False)  # frozen by someone else: not the spec's business
+    clean = torch.optim.SGD(model.aux.parameters(), lr=0.1)
+    back = torch.optim.ASGD([weight, model.head.weight, bias], lr=0.1, weight_decay=0.1)
+    bias.requires_grad_(False)
+    found = check_optimizers(
+        {"trunk.0.weight": weight, "trunk.0.bias": bias}, [clean, back], "at step 2", "C"
+    )
+    reasons = (
+        "weight_decay=0.1 shrinks it on every step; lambd=0.0001 (ASGD) shrinks it on every step"
+    )
+    assert [type(e) for e in found] == [DriftError]
+    assert str(found[0]) == (
+        "C: at step 2, frozen parameters are back in an optimizer that can move them: "
+        f"['trunk.0.weight (optimizer 1, group 0: {reasons})', 'trunk.0.bias (optimizer 1, "
+        f"group 0: {reasons})']; something added them after the spec was applied. Thaw them "
+        "with a Thaw step instead"
+    )
+
+
+def test_drift_names_eight_moves_says_why_a_buffer_moves_and_reports_each_move_once() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1, 1) for _ in range(4)), torch.nn.BatchNorm1d(1))
+    names = [n for n, _ in model.named_parameters()] + ["4.running_mean"]
+    watched = snapshot(model, names=names, drift="copy")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        model[4].running_mean.add_(0.5)
+    found, renewed = check_drift(watched, "at step 1", "C")
+    lines = [f"  {n:<14}  (parameter) max|Δ|=1.000e+00" for n in names[:8]]
+    assert str(found[0]) == (
+        f"C: frozen tensors moved (at step 1): {shown(names)}\n"
+        + "\n".join(lines)
+        + "\nA frozen layer's forward in train mode updates its buffers (BatchNorm's running "
+        "statistics, spectral norm's vectors, a running average). Fix: hold the frozen part "
+        "in eval mode with mode='eval', or let its layers train with mode='train' "
+        "(bn='train' for BatchNorm alone). A buffer that moves in either mode (a step counter, "
+        "a quantization observer) means its layer is not frozen: leave the layer out of freeze"
+    )
+    assert check_drift(renewed, "at step 2", "C") == ([], renewed)  # each move once
+    with torch.no_grad():
+        model[0].bias.add_(1.0)
+    again, _ = check_drift(renewed, "at step 3", "C")
+    assert str(again[0]).startswith("C: frozen tensors moved (at step 3): ['0.bias']\n")
