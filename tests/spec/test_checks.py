@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import isolate.spec.checks as checks
+import isolate.spec.checks as checks_module
 from isolate import IsolationSpec
 from isolate._text import shown
 from isolate.drift import snapshot
@@ -288,8 +288,9 @@ def test_the_tally_says_each_loss_each_contract_and_a_check_of_its_own() -> None
     tally = Tally()
     tally.add(Verification(losses={"probe": 4, "aux": 2}, contracts={"t": 3, "p": 1}), CHECKS)
     tally.add(Verification(flags=6), ("flags", "mine"))
+    tally.add(Verification(reach=1, ranks=2), ("reach", "ranks"))
     assert str(tally) == (
-        "verify ran 2 times; every check passed:\n"
+        "verify ran 3 times; every check passed:\n"
         "  params (1x): 0 parameters of the spec were still the objects the model holds (none "
         "replaced)\n"
         "  losses (1x): 'probe' reached none of the 4 parameters it must not reach; 'aux' "
@@ -300,7 +301,9 @@ def test_the_tally_says_each_loss_each_contract_and_a_check_of_its_own() -> None
         "  optimizers (1x): 0 optimizer(s) held no frozen parameter\n"
         "  contracts (1x): contract 't' held (3 clause checks); contract 'p' held (1 clause "
         "checks)\n"
-        "  mine (1x): passed"
+        "  mine (1x): passed\n"
+        "  reach (1x): the loss backpropagated reached each of 1 trainable parameters\n"
+        "  ranks (1x): 2 process(es) held the same frozen tensors"
     )
 
 
@@ -330,7 +333,7 @@ def test_a_stale_compiled_region_is_reported_with_the_parameters_it_hides_by_nam
         error.tensors = hidden
         raise error
 
-    monkeypatch.setattr(checks, "cut_off_parameters", stale)
+    monkeypatch.setattr(checks_module, "cut_off_parameters", stale)
     reached, found = check_reach(model, torch.zeros(()), (), "at step 3", "C")
     assert reached == 0 and [type(e) for e in found] == [StaleCompileError]
     assert str(found[0]) == (
@@ -388,3 +391,36 @@ def test_drift_names_eight_moves_says_why_a_buffer_moves_and_reports_each_move_o
         model[0].bias.add_(1.0)
     again, _ = check_drift(renewed, "at step 3", "C")
     assert str(again[0]).startswith("C: frozen tensors moved (at step 3): ['0.bias']\n")
+
+
+class _Contracts:
+    """A stand-in for the handle's contracts: records what each check hands it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def check(self, *args: object, **kwargs: object) -> tuple[dict[str, int], list[object]]:
+        self.calls.append((*args, kwargs))
+        return {"t": 1}, []
+
+
+def test_the_contracts_get_the_losses_as_a_list_and_the_state_clauses_unless_before_a_step() -> (
+    None
+):
+    loss, other = torch.ones(()), torch.zeros(())
+    optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)]
+    contracts = _Contracts()
+    for total, checks in [
+        (loss, ("losses",)),  # the check before backward: the step has not moved anything yet
+        ([loss, other], ("losses", "drift")),
+        (None, ("contracts",)),
+    ]:
+        kept, found = checks_module._check_contracts(  # type: ignore[arg-type]
+            contracts, {"aux": loss}, total, optimizers, checks, "at step 1"
+        )
+        assert (kept, found) == ({"t": 1}, [])
+    assert contracts.calls == [
+        ({"aux": loss}, [loss], optimizers, "at step 1", {"state": False}),
+        ({"aux": loss}, [loss, other], optimizers, "at step 1", {"state": True}),
+        ({"aux": loss}, None, optimizers, "at step 1", {"state": True}),
+    ]
