@@ -14,6 +14,7 @@ from isolate.errors import (
     CutOffError,
     DriftError,
     GradientLeakError,
+    ReplacedParameterError,
     SpecError,
     StaleCompileError,
 )
@@ -313,7 +314,11 @@ def test_a_parameter_expected_unused_is_not_reported_as_cut_off() -> None:
     try:
         handle.step(epoch=0, step=0)
         head, _ = model(torch.randn(5, 4))
-        with pytest.raises(CutOffError, match=r"aux\.weight"):
+        with pytest.raises(
+            CutOffError,
+            match=r"^IsolationSpec: at epoch 0, step 0, 2 of 4 trainable parameters get no "
+            r"gradient from any loss:\n  aux\.weight, aux\.bias: .*\nFix: connect them to the loss",
+        ):
             handle.verify(total=head.sum(), checks=("reach",))
         head, _ = model(torch.randn(5, 4))
         checked = handle.verify(total=head.sum(), expected_unused=["aux"], checks=("reach",))
@@ -424,3 +429,34 @@ def test_the_contracts_get_the_losses_as_a_list_and_the_state_clauses_unless_bef
         ({"aux": loss}, [loss, other], optimizers, "at step 1", {"state": True}),
         ({"aux": loss}, None, optimizers, "at step 1", {"state": True}),
     ]
+
+
+def test_verify_counts_only_the_checks_it_ran() -> None:
+    model = Net()
+    handle = IsolationSpec(freeze=["trunk"]).apply(model)
+    try:
+        assert handle.verify(checks=("flags",)) == Verification(flags=6)
+    finally:
+        handle.restore()
+
+
+def test_a_replaced_parameter_stops_every_check_but_the_ranks_exchange(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exchanged: list[list[str]] = []
+
+    def exchange(names: object, when: str, caller: str, found: list[object]) -> list[object]:
+        exchanged.append([type(e).__name__ for e in found])
+        return []
+
+    monkeypatch.setattr(checks_module, "world_size", lambda: 2)  # as on each of two ranks
+    monkeypatch.setattr(checks_module, "check_ranks", exchange)
+    model = Net()
+    handle = IsolationSpec(freeze=["trunk"]).apply(model)
+    try:
+        model.trunk[0].weight = torch.nn.Parameter(model.trunk[0].weight.detach().clone())
+        with pytest.raises(ReplacedParameterError):
+            handle.verify(checks=("params", "flags", "ranks"))
+        assert exchanged == [["ReplacedParameterError"]]  # the other ranks learn of it
+    finally:
+        handle.restore()
