@@ -460,3 +460,34 @@ def test_a_replaced_parameter_stops_every_check_but_the_ranks_exchange(
         assert exchanged == [["ReplacedParameterError"]]  # the other ranks learn of it
     finally:
         handle.restore()
+
+
+@pytest.mark.parametrize(
+    ("check", "start"),
+    [
+        ("drift", "IsolationSpec: frozen tensors moved (at epoch 0, step 0): ['trunk.0.weight']"),
+        ("flags", "IsolationSpec: at epoch 0, step 0, 1 frozen parameters require grad again"),
+        ("optimizers", "IsolationSpec: at epoch 0, step 0, frozen parameters are back in an"),
+    ],
+)
+def test_each_violation_of_verify_says_who_checked_and_when(check: str, start: str) -> None:
+    model = Net()
+    handle = IsolationSpec(freeze=["trunk"]).apply(model)
+    weight = model.trunk[0].weight
+    try:
+        handle.step(epoch=0, step=0)
+        if check == "drift":
+            with torch.no_grad():
+                weight.add_(1.0)
+        elif check == "flags":
+            weight.requires_grad_(True)
+        else:
+            opt = torch.optim.SGD(model.head.parameters(), lr=0.1, weight_decay=0.1)
+            handle.attach(opt)
+            opt.add_param_group({"params": [weight]})
+        with pytest.raises(DriftError) as caught:
+            handle.verify(checks=(check,))
+        assert str(caught.value).startswith(start)
+    finally:
+        weight.requires_grad_(False)
+        handle.restore()
