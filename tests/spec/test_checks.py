@@ -449,11 +449,19 @@ def test_a_replaced_parameter_stops_every_check_but_the_ranks_exchange(
         exchanged.append([type(e).__name__ for e in found])
         return []
 
-    monkeypatch.setattr(checks_module, "world_size", lambda: 2)  # as on each of two ranks
+    world = [1]
+    monkeypatch.setattr(checks_module, "world_size", lambda: world[0])
     monkeypatch.setattr(checks_module, "check_ranks", exchange)
     model = Net()
     handle = IsolationSpec(freeze=["trunk"]).apply(model)
     try:
+        assert handle.verify(checks=("ranks",)).ranks == 1  # one process: nothing to exchange
+        world[0] = 2  # as on each of two ranks
+        assert handle.verify(checks=("flags",)).ranks == 1  # the exchange was not asked for
+        assert exchanged == []
+        assert handle.verify(checks=("flags", "ranks")).ranks == 2
+        assert exchanged == [[]]
+        exchanged.clear()
         model.trunk[0].weight = torch.nn.Parameter(model.trunk[0].weight.detach().clone())
         with pytest.raises(ReplacedParameterError):
             handle.verify(checks=("params", "flags", "ranks"))
