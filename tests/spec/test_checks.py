@@ -3,9 +3,12 @@ optimizers), also for replaced buffers, a second backward, and branches run too 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+import isolate
 import isolate.spec.checks as checks_module
 from isolate import IsolationSpec
 from isolate._text import shown
@@ -14,7 +17,6 @@ from isolate.errors import (
     CutOffError,
     DriftError,
     GradientLeakError,
-    ReplacedParameterError,
     SpecError,
     StaleCompileError,
 )
@@ -443,11 +445,12 @@ def test_verify_counts_only_the_checks_it_ran() -> None:
 def test_a_replaced_parameter_stops_every_check_but_the_ranks_exchange(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    exchanged: list[list[str]] = []
+    exchanged: list[tuple[object, ...]] = []
+    other_rank = DriftError("rank 1: trunk.0.weight differs")
 
-    def exchange(names: object, when: str, caller: str, found: list[object]) -> list[object]:
-        exchanged.append([type(e).__name__ for e in found])
-        return []
+    def exchange(names: Any, when: str, caller: str, found: list[object]) -> list[object]:
+        exchanged.append((list(names)[:2], when, caller, [type(e).__name__ for e in found]))
+        return [other_rank]
 
     world = [1]
     monkeypatch.setattr(checks_module, "world_size", lambda: world[0])
@@ -459,13 +462,22 @@ def test_a_replaced_parameter_stops_every_check_but_the_ranks_exchange(
         world[0] = 2  # as on each of two ranks
         assert handle.verify(checks=("flags",)).ranks == 1  # the exchange was not asked for
         assert exchanged == []
-        assert handle.verify(checks=("flags", "ranks")).ranks == 2
-        assert exchanged == [[]]
-        exchanged.clear()
         model.trunk[0].weight = torch.nn.Parameter(model.trunk[0].weight.detach().clone())
-        with pytest.raises(ReplacedParameterError):
-            handle.verify(checks=("params", "flags", "ranks"))
-        assert exchanged == [["ReplacedParameterError"]]  # the other ranks learn of it
+        with pytest.warns(isolate.IsolationWarning):
+            checked = handle.verify(checks=("params", "flags", "ranks"), on_violation="warn")
+        assert checked.ranks == 2 and checked.flags == 0  # flags not checked after params
+        assert [v.split(",")[0] for v in checked.violations] == [
+            "IsolationSpec: at epoch 0",
+            "rank 1: trunk.0.weight differs",
+        ]
+        assert exchanged == [
+            (
+                ["trunk.0.weight", "trunk.0.bias"],
+                "at epoch 0, step 0",
+                "IsolationSpec",
+                ["ReplacedParameterError"],  # the other ranks learn of it
+            )
+        ]
     finally:
         handle.restore()
 
