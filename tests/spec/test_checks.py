@@ -435,7 +435,8 @@ def test_the_contracts_get_the_losses_as_a_list_and_the_state_clauses_unless_bef
 
 def test_verify_counts_only_the_checks_it_ran() -> None:
     model = Net()
-    handle = IsolationSpec(freeze=["trunk"]).apply(model)
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    handle = IsolationSpec(freeze=["trunk"]).apply(model, optimizer=opt)
     try:
         assert handle.verify(checks=("flags",)) == Verification(flags=6)
     finally:
