@@ -512,3 +512,27 @@ def test_each_violation_of_verify_says_who_checked_and_when(check: str, start: s
     finally:
         weight.requires_grad_(False)
         handle.restore()
+
+
+class _Counter(torch.nn.Module):
+    """A layer without parameters whose buffer counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+def test_the_buffers_of_a_layer_without_parameters_outside_the_frozen_part_may_move() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _Counter(), torch.nn.Linear(2, 1))
+    handle = IsolationSpec(freeze=["0"]).apply(model)
+    try:
+        handle.step(epoch=0, step=0)
+        model(torch.randn(3, 2))
+        assert handle.verify(checks=("drift",)) == Verification(drift=2)  # 0.weight, 0.bias
+    finally:
+        handle.restore()
