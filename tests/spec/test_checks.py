@@ -536,3 +536,33 @@ def test_the_buffers_of_a_layer_without_parameters_outside_the_frozen_part_may_m
         assert handle.verify(checks=("drift",)) == Verification(drift=2)  # 0.weight, 0.bias
     finally:
         handle.restore()
+
+
+class _Block(torch.nn.Module):
+    """A layer that reads its mode, around a Linear with a buffer of its own (that does not)."""
+
+    isolate_reads_training = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+        self.inner.register_buffer("scale", torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.inner.scale
+
+
+def test_under_mode_train_the_buffers_of_what_a_held_layer_holds_stay_watched() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), torch.nn.Linear(2, 1))
+    handle = IsolationSpec(freeze=["0"], mode="train").apply(model)
+    try:
+        handle.step(epoch=0, step=0)
+        with torch.no_grad():
+            model[0].inner.scale.mul_(2.0)
+        with pytest.raises(
+            DriftError, match=r"frozen tensors moved \(at epoch 0, step 0\): \['0\.inner\.scale'\]"
+        ):
+            handle.verify(checks=("drift",))
+    finally:
+        handle.restore()
