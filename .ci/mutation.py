@@ -150,7 +150,15 @@ TESTS: dict[str, list[str]] = {
         "tests/interop/test_migrate_fts.py",
         "tests/interop/test_leave.py",
     ],
-    "isolate/spec/optimizers.py": ["tests/spec"],
+    # Every spec test applies a spec to an optimizer (find, place, add_group, the link);
+    # test_fuzz.py is left out: 23 s of Hypothesis training per mutant of the link.
+    "isolate/spec/optimizers.py": [
+        *sorted(
+            f"tests/spec/{p.name}"
+            for p in (ROOT / "tests" / "spec").glob("test_*.py")
+            if p.name != "test_fuzz.py"
+        ),
+    ],
     # Ramps and plateaus are driven by hand in the spec tests (handle.step, optimizer steps),
     # by the Lightning callback's validation metrics, and by finetuning-scheduler's phases
     # converted (carry_best, after_previous).
@@ -176,7 +184,15 @@ TESTS: dict[str, list[str]] = {
         "tests/lightning/test_checkpoint.py",
         "tests/lightning/test_callback_errors.py",
     ],
-    "isolate/spec/checks.py": ["tests/spec"],
+    # Every check of a handle runs here (drift, reach, flags, optimizers, contracts);
+    # test_fuzz.py is left out: 23 s of Hypothesis training per mutant of run_checks.
+    "isolate/spec/checks.py": [
+        *sorted(
+            f"tests/spec/{p.name}"
+            for p in (ROOT / "tests" / "spec").glob("test_*.py")
+            if p.name != "test_fuzz.py"
+        ),
+    ],
     # check_replaced runs in every check of a handle, but only these replace, remove or
     # re-register a parameter after the spec was applied (and attach or thaw after it).
     "isolate/spec/identity.py": [
@@ -295,6 +311,31 @@ TESTS: dict[str, list[str]] = {
             if p.name != "test_fuzz.py"
         ),
         "tests/toolkit/test_holding.py",
+    ],
+    # The clauses of each contract kind: the contracts' tests, their checks while training, the
+    # bugs they found, the ema and reversal kinds built on them, and the Lightning callback's.
+    "isolate/spec/contract_clauses.py": [
+        "tests/spec/test_contracts.py",
+        "tests/spec/test_contract_checks.py",
+        "tests/spec/test_contract_bugs.py",
+        "tests/spec/test_ema.py",
+        "tests/spec/test_reversal.py",
+        "tests/spec/test_cadence.py",
+        "tests/lightning/test_contracts_callback.py",
+    ],
+    # A spec's fields, checked when built, as plain data and back, and prefixed: the spec tests
+    # that build bad specs or read them back, and the converters that write them.
+    "isolate/spec/data.py": [
+        "tests/spec/test_data.py",
+        "tests/spec/test_fields.py",
+        "tests/spec/test_thaw.py",
+        "tests/spec/test_thaw_fields.py",
+        "tests/spec/test_user_messages.py",
+        "tests/spec/test_misuse.py",
+        "tests/spec/test_contracts.py",
+        "tests/spec/test_walks.py",
+        "tests/interop/test_migrate.py",
+        "tests/toolkit/test_cli.py",
     ],
     # Contracts as data: their own tests and the corrected implementations that declare them.
     "isolate/spec/contracts.py": [
