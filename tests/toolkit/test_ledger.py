@@ -268,3 +268,17 @@ def test_a_limited_table_puts_the_irregular_rows_first_only_when_it_cuts() -> No
     cut = book.format(limit=2).splitlines()
     assert [line.split()[0] for line in cut[2:5]] == ["1.bias", "0.weight", "..."]
     assert cut[4] == "... and 2 more rows"
+
+
+def test_the_table_shows_every_cell_of_every_row() -> None:
+    assert str(_small()).splitlines() == [
+        "name      numel  grad  reached by  optimizer  lr   wd    momentum  mode   expects  status",
+        "  ".join("-" * n for n in (8, 5, 4, 10, 9, 3, 4, 8, 5, 7, 9)),
+        "0.weight  1      no    none        -          -    -     -         train  -        frozen",
+        "0.bias    1      no    none        -          -    -     -         train  -        frozen",
+        "1.weight  1      yes   main        0/0        0.5  0.25  no        train  -        trains",
+        "1.bias    1      yes   main        -          -    -     -         train  -        "
+        "irregular",
+        "irregular 1.bias: trainable but in no optimizer",
+        "trainable 2 of 4 parameters (50.00%) in 2 tensors; reached 2 of 2; irregular 1",
+    ]
