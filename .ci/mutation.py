@@ -348,6 +348,48 @@ TESTS: dict[str, list[str]] = {
         "tests/spec/test_contract_bugs.py",
         "tests/spec/test_ema.py",
     ],
+    # gradient_report and gradient_invariance: their own tests, assert_gradient_invariance,
+    # the figures drawn from a report, and every audit test that reports on a model (sharded,
+    # checkpointed, a transformer's LoRA groups, the bad inputs refused).
+    "isolate/gradients.py": [
+        "tests/toolkit/test_gradients.py",
+        "tests/toolkit/test_testing.py",
+        "tests/toolkit/test_figures.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_autograd.py",
+        "tests/toolkit/test_patterns.py",
+        "tests/toolkit/test_selectors.py",
+        "tests/toolkit/test_sharding.py",
+        "tests/toolkit/test_reachability.py",
+        "tests/seethrough/test_checkpointing.py",
+        "tests/seethrough/test_transformers.py",
+    ],
+    # snapshot and max_abs_diff: their own tests, the testing asserts and audits built on a
+    # snapshot (copies, fingerprints, exposure, the patterns), gradient_invariance's deltas,
+    # and the spec's drift check (check_drift renews a snapshot, a replaced tensor named).
+    "isolate/drift.py": [
+        "tests/toolkit/test_drift.py",
+        "tests/toolkit/test_testing.py",
+        "tests/toolkit/test_copies.py",
+        "tests/toolkit/test_fingerprints.py",
+        "tests/toolkit/test_delta.py",
+        "tests/toolkit/test_patterns.py",
+        "tests/toolkit/test_exposure.py",
+        "tests/toolkit/test_audits_in_use.py",
+        "tests/toolkit/test_bad_input.py",
+        "tests/toolkit/test_gradients.py",
+        "tests/spec/test_checks.py",
+        "tests/spec/test_replaced.py",
+        "tests/spec/test_verifier.py",
+    ],
+    # The figures: their own tests and the Lightning callback's logged figures.
+    "isolate/figures.py": ["tests/toolkit/test_figures.py", "tests/lightning/test_metrics.py"],
+    # The ledger: its own tests, the PEFT report built on it and the callback's printed ledger.
+    "isolate/ledger.py": [
+        "tests/toolkit/test_ledger.py",
+        "tests/peft/test_report.py",
+        "tests/lightning/test_notices.py",
+    ],
     # What an audit protects: every audit that takes protect= resolves it here.
     "isolate/_protected.py": [
         "tests/toolkit/test_protected.py",

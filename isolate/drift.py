@@ -69,8 +69,6 @@ class _Entry:
     saved: torch.Tensor | None  # the copy, or None for a fingerprint
     print: Print | None  # the fingerprint and its scheme; None with a copy
     shape: tuple[int, ...]
-    dtype: torch.dtype
-    layout: torch.layout
     # The object snapshotted, to notice when a name points elsewhere later: its id for
     # modules (a weak reference would make torch refuse to swap the tensor in
     # load_state_dict or module.to() under swap_module_params_on_conversion, and a strong
@@ -474,7 +472,5 @@ def _record(
             saved[id(t)] = (local.clone() if device is None else local.to(device, copy=True), None)
         kept, print_ = saved[id(t)]
         shape, held = tuple(local.shape), t if strong else None
-        entries.append(
-            _Entry(name, kind, kept, print_, shape, local.dtype, local.layout, id(t), held)
-        )
+        entries.append(_Entry(name, kind, kept, print_, shape, id(t), held))
     return Snapshot(entries, module, description, drift, device)

@@ -489,3 +489,68 @@ def test_complex_buffers_are_compared_element_by_element(new: torch.Tensor) -> N
     assert str(info.value).splitlines()[1] == (
         "  c  (buffer, replaced by a new object) max|Δ|=1.000e+00 in 1 of 2 elements"
     )
+
+
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_a_renewed_snapshot_keeps_its_names_and_its_way_and_forgets_what_moved(
+    drift: Drift,
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    by_name = snapshot(model, names=["0.bias", "1.running_mean"], drift=drift)
+    held = snapshot({"w": model[0].weight, "mean": model[1].running_mean}, drift=drift)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[0].bias.add_(1.0)
+        model[1].running_mean.add_(1.0)
+    for snap, names in ((by_name, ("0.bias", "1.running_mean")), (held, ("w", "mean"))):
+        assert tuple(snap.changed()) == names
+        renewed = snap.renewed()
+        assert renewed.names == names and renewed.drift == drift
+        assert renewed.changed() == {}
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+            model[1].running_mean.add_(1.0)
+        assert tuple(renewed.changed()) == (names[1:] if snap is held else names)
+
+
+def test_a_tensor_replaced_by_the_same_values_is_no_drift() -> None:
+    model = nn.Linear(2, 2)
+    nn.init.zeros_(model.weight)
+    snap = snapshot(model)
+    model.bias = nn.Parameter(model.bias.detach().clone())  # same values, new object
+    snap.assert_unchanged()
+    model.weight = nn.Parameter(model.weight.detach() + 0.25)
+    snap.assert_unchanged(atol=0.25)  # replaced, and moved by exactly atol: no drift
+    assert snap.replaced() == ("weight", "bias")
+
+
+def test_an_empty_sparse_tensor_against_zeros_stored_another_way_has_not_moved() -> None:
+    """Both store nothing, but their index tensors differ in shape (one sparse dimension, a
+    hybrid tensor, against two): the comparison over their entries finds none to compare."""
+    hybrid = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 3), (2, 3))
+    assert max_abs_diff(hybrid, torch.zeros(2, 3)) == 0.0
+    assert max_abs_diff(hybrid, torch.zeros(2, 3).to_sparse()) == 0.0
+
+
+def test_an_unknown_name_is_refused_with_the_modules_first_five_names_of_each_kind() -> None:
+    model = nn.Sequential(nn.Linear(1, 1), nn.BatchNorm1d(1), nn.Linear(1, 1), nn.BatchNorm1d(1))
+    message = (
+        "snapshot(): ['2.wieght'] name no parameter or buffer of Sequential; its names start "
+        "['0.weight', '0.bias', '1.weight', '1.bias', '2.weight'] (buffers: ['1.running_mean', "
+        "'1.running_var', '1.num_batches_tracked', '3.running_mean', '3.running_var'])"
+    )
+    with pytest.raises(SelectorError, match=f"^{re.escape(message)}$"):
+        snapshot(model, names=["2.wieght"])
+
+
+def test_names_are_recorded_as_parameters_or_buffers_and_never_held() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    snap = snapshot(model, names=["1.running_mean", "0.weight"])
+    assert snap.kinds == {"1.running_mean": "buffer", "0.weight": "parameter"}
+    assert repr(snap) == "Snapshot(Sequential: 1 parameters, 1 buffers)"
+    weight, mean = weakref.ref(model[0].weight), weakref.ref(model[1].running_mean)
+    model[0].weight = nn.Parameter(torch.zeros(2, 2))
+    model[1].running_mean = torch.ones(2)
+    gc.collect()
+    assert weight() is None and mean() is None  # only the copies are kept, not the tensors
+    assert snap.replaced() == ("1.running_mean", "0.weight")

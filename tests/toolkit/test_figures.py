@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import io
+import re
+import sys
 
 import matplotlib
 import numpy as np
 import pytest
 import torch
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
+from matplotlib.layout_engine import ConstrainedLayoutEngine
 from torch import nn
 
 from isolate import gradient_report
@@ -127,3 +131,71 @@ def test_a_cell_turns_white_only_above_a_share_of_sixty_percent() -> None:
     loss = wide["a"].weight.sum() + wide["b"].weight.sum()  # 80% in a
     fig = plot_report(gradient_report({"main": loss}, wide))
     assert [t.get_color() for t in fig.axes[0].texts] == ["white", "black"]
+
+
+def test_wrong_types_are_named() -> None:
+    with pytest.raises(IsolationTypeError, match=r"report must be a GradientReport .*, got dict$"):
+        plot_report({"main": 1.0})  # type: ignore[arg-type]
+    model, losses = scene()
+    with pytest.raises(IsolationTypeError, match=r"cut_off_parameters, got list$"):
+        plot_report(gradient_report(losses, model), cut_off=["trunk"])  # type: ignore[arg-type]
+
+
+def test_without_matplotlib_a_figure_asks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, losses = scene()
+    report = gradient_report(losses, model)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    message = "isolate.figures needs matplotlib, an optional dependency: pip install matplotlib"
+    with pytest.raises(ImportError, match=f"^{re.escape(message)}$"):
+        plot_report(report)
+
+
+def test_the_matrix_is_sized_by_its_cells_on_a_fixed_blue_scale_with_grey_for_no_path() -> None:
+    model = nn.ModuleDict({"a": nn.Linear(3, 1, bias=False), "b": nn.Linear(2, 1, bias=False)})
+    loss = model["a"].weight.sum() + model["b"].weight.sum()  # shares 0.6 and 0.4
+    fig = plot_report(
+        gradient_report({"main": loss}, model), cut_off=cut_off_parameters(loss, model)
+    )
+    assert tuple(fig.get_size_inches()) == pytest.approx((1.6 + 1.3 * 2, 0.9 + 0.6 * 2))
+    assert isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
+    image = fig.axes[0].images[0]
+    assert image.get_clim() == (0.0, 1.0)  # not the shares' own range, 0.4 to 0.6
+    assert image.get_cmap().name == "Blues"
+    assert image.get_cmap().get_bad() == pytest.approx(to_rgba("#d9d9d9"))
+    assert fig.axes[0].get_aspect() == "auto"
+
+
+def test_every_cell_is_in_small_print_and_a_cut_off_count_in_bold_red() -> None:
+    model, losses = scene()
+    fig = plot_report(gradient_report(losses, model), cut_off=cut_off_parameters(losses, model))
+    assert {t.get_fontsize() for t in fig.axes[0].texts} == {8}
+    last = {round(t.get_position()[0]): t for t in fig.axes[0].texts if t.get_position()[1] == 3}
+    assert [last[j].get_text() for j in range(5)] == ["none", "none", "none", "2", "none"]
+    styles = [(to_rgba(last[j].get_color()), last[j].get_fontweight()) for j in range(5)]
+    plain, alarm = (to_rgba("black"), "normal"), (to_rgba("#b30000"), "bold")
+    assert styles == [plain, plain, plain, alarm, plain]
+
+
+def test_the_axes_the_title_and_the_colour_bar_say_what_is_shown() -> None:
+    model, losses = scene()
+    fig = plot_report(gradient_report(losses, model))
+    ax, bar = fig.axes
+    assert ax.get_xlabel() == "parameter group"
+    assert ax.get_title() == "gradient share per group (grey: no path)"
+    assert ax.title.get_fontsize() == 10
+    assert bar.get_ylabel() == "share of |g|²"
+    assert ax.images[0].colorbar is not None and ax.images[0].colorbar.ax is bar
+    with matplotlib.rc_context({"font.size": 14}):  # a user's style: the sizes stay
+        ax = plot_report(gradient_report(losses, model)).axes[0]
+    assert ax.title.get_fontsize() == 10 and {t.get_fontsize() for t in ax.texts} == {8}
+
+
+def test_a_zero_share_reads_zero_and_a_partly_frozen_group_out_of_reach_reads_no_path() -> None:
+    model = nn.ModuleDict({"a": nn.Linear(1, 1), "b": nn.Linear(1, 1), "c": nn.Linear(1, 1)})
+    model["c"].bias.requires_grad_(False)
+    loss = model["a"].weight.sum() + 0 * model["b"].weight.sum()
+    report = gradient_report({"main": loss}, model)
+    assert report["b"].norms["main"] == 0.0 and report["b"].shares["main"] == 0.0
+    assert cell_text(report["b"], "main") == "0"  # reached with a zero gradient
+    assert cell_text(report["a"], "main") == "100.0%\n|g| 1.00e+00"
+    assert report["c"].size == "1 (+1 frozen)" and cell_text(report["c"], "main") == "no path"

@@ -16,7 +16,7 @@ from torch import nn
 import isolate
 from isolate import assert_isolated, freeze, gradient_report
 from isolate.cutoff import cut_off_parameters
-from isolate.errors import IsolationTypeError, SelectorError
+from isolate.errors import BlindSpotError, IsolationTypeError, SelectorError, ShardedGraphError
 from isolate.gradients import GradientReport, gradient_invariance
 from isolate.reachability import reachable_parameters
 from tests.toolkit._shared import Net, X
@@ -516,3 +516,207 @@ def test_gradient_report_refuses_group_names_that_are_not_strings() -> None:
         IsolationTypeError, match=r"^gradient_report\(\): group names must be strings, got 1$"
     ):
         isolate.gradient_report({"main": loss}, model, groups={1: "weight"})  # type: ignore[dict-item]
+
+
+# --------------------------------------------------------------------------------------------
+# The report as a table and as data, number for number
+
+
+def _exact_report() -> GradientReport:
+    """Gradients 3 and 4 (main), -6 and 8 (aux) on two one-weight groups, a frozen third."""
+    model = nn.ModuleDict(
+        {
+            "a": nn.Linear(1, 1, bias=False),
+            "b": nn.Linear(1, 1, bias=False),
+            "c": nn.Linear(2, 1, bias=False),
+        }
+    )
+    model["c"].requires_grad_(False)
+    a, b = model["a"].weight.sum(), model["b"].weight.sum()
+    return gradient_report({"main": 3 * a + 4 * b, "aux": -6 * a + 8 * b}, model)
+
+
+def test_the_table_shows_each_norm_share_and_signed_cosine() -> None:
+    assert str(_exact_report()).splitlines() == [
+        "group         params   |g| main  share main    |g| aux  share aux  cos(main,aux)",
+        "-" * 80,
+        "a                  1  3.000e+00       36.0%  6.000e+00      36.0%         -1.000",
+        "b                  1  4.000e+00       64.0%  8.000e+00      64.0%         +1.000",
+        "c         frozen (2)          -           -          -          -              -",
+        "-" * 80,
+        "total  2 (+2 frozen)  5.000e+00      100.0%  1.000e+01     100.0%         +0.280",
+    ]
+
+
+def test_the_table_has_no_trailing_blanks_even_after_a_loss_name_ending_in_one() -> None:
+    p = nn.Parameter(torch.ones(()))
+    report = gradient_report({"main ": 2 * p}, nn.ParameterDict({"p": p}))
+    lines = str(report).splitlines()
+    assert lines[0] == "group   params  |g| main   share main"
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_the_report_as_data_keeps_every_field_and_its_json_is_indented_by_two() -> None:
+    report = _exact_report()
+
+    def group(params, frozen, norms, shares, cosine):  # type: ignore[no-untyped-def]
+        return {
+            "parameters": params,
+            "numel": len(params),
+            "frozen": frozen,
+            "frozen_numel": 2 * len(frozen),
+            "norm": dict(zip(("main", "aux"), norms, strict=True)),
+            "share": dict(zip(("main", "aux"), shares, strict=True)),
+            "cosine": {"main|aux": cosine},
+        }
+
+    expected = {
+        "losses": ["main", "aux"],
+        "groups": {
+            "a": group(["a.weight"], [], (3.0, 6.0), (0.36, 0.36), -1.0),
+            "b": group(["b.weight"], [], (4.0, 8.0), (0.64, 0.64), 1.0),
+            "c": group([], ["c.weight"], (None, None), (None, None), None),
+        },
+        "total": group(["a.weight", "b.weight"], ["c.weight"], (5.0, 10.0), (1.0, 1.0), 0.28),
+    }
+    assert report.to_dict() == expected
+    assert report.to_json() == json.dumps(expected, indent=2)
+    assert report.to_json(indent=None) == json.dumps(expected)
+
+
+def test_an_inf_gradient_leaves_its_share_and_cosine_undefined_as_nan_in_lower_case() -> None:
+    p = nn.Parameter(torch.ones(2))
+    loss = (p * torch.tensor([math.inf, 1.0])).sum()
+    report = gradient_report({"loss": loss, "twice": 2 * loss}, nn.ParameterDict({"p": p}))
+    assert math.isnan(report.total.cosines[("loss", "twice")])
+    assert str(report).splitlines()[-1].split() == [
+        "total",
+        "2",
+        "inf",
+        "nan%",
+        "inf",
+        "nan%",
+        "+nan",
+    ]
+
+
+def test_a_total_loss_that_leaves_out_the_main_loss_changes_its_gradients_by_all_of_them() -> None:
+    weight = nn.Parameter(torch.tensor([1.0, -4.0]))
+    main = (weight * torch.tensor([2.0, -3.0])).sum()  # gradient (2, -3)
+    for total in (torch.tensor(0.0), nn.Parameter(torch.ones(())).sum()):  # no path to weight
+        result = gradient_invariance(main, total, {"weight": weight})
+        assert result.deltas == {"weight": 3.0} and not result.isolated
+
+
+def test_invariance_refuses_a_wrapper_whose_graph_leaves_stand_for_its_parameters() -> None:
+    """Without the refusal every gradient is None, every delta 0.0: a vacuous proof."""
+    from tests.toolkit.test_sharding import FlatViews
+
+    model = FlatViews(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)))
+    main = model(torch.randn(2, 3)).sum()
+    total = main + model(torch.randn(2, 3)).pow(2).sum()
+    for protected, whole in ((model.module[0], None), ("module.0", model)):
+        with pytest.raises(ShardedGraphError, match=r"^gradient_invariance\(\): the graph's"):
+            gradient_invariance(main, total, protected, model=whole)
+
+
+def test_invariance_names_the_shape_or_type_of_a_loss_that_is_no_scalar(net: Net) -> None:
+    main, _ = net(X)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^gradient_invariance\(\): main_loss must be a scalar tensor, got shape \(5, 2\);",
+    ):
+        gradient_invariance(main, main.sum(), net)
+    with pytest.raises(
+        IsolationTypeError, match=r"total_loss must be a scalar tensor, got [^;]*float"
+    ):
+        gradient_invariance(main.sum(), 1.0, net)  # type: ignore[arg-type]
+
+
+def test_a_nan_delta_after_a_finite_one_makes_the_max_delta_nan() -> None:
+    first, second = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
+    main = first.sum() + second.sum()
+    aux = first.sum() + second.sum() * torch.tensor(math.nan)  # gradients 1 and NaN
+    result = gradient_invariance(main, main + aux, {"first": first, "second": second})
+    assert result.deltas["first"] == 1.0 and math.isnan(result.deltas["second"])
+    assert math.isnan(result.max_delta) and not result.isolated
+
+
+@pytest.mark.parametrize(
+    ("dtype", "norm"),
+    [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float64, math.sqrt(1 + 2**-24))],
+)
+def test_products_are_summed_in_float32_unless_the_gradients_are_wider(
+    dtype: torch.dtype, norm: float
+) -> None:
+    """1 + 2**-24 rounds to 1 in float32: the cheap matmul is kept where it does not overflow
+    (the float64 redo is for sums beyond the float32 range only)."""
+    p = nn.Parameter(torch.zeros(2, dtype=dtype))
+    loss = (p * torch.tensor([1.0, 2**-12], dtype=dtype)).sum()
+    assert gradient_report({"loss": loss}, nn.ParameterDict({"p": p})).total.norms["loss"] == norm
+
+
+def test_one_selector_string_makes_one_group_and_the_rest(net: Net) -> None:
+    main, probe = net(X)
+    report = gradient_report({"main": main.sum(), "probe": probe.sum()}, net, groups="encoder")
+    assert list(report.groups) == ["encoder", "(rest)"]
+    assert report["encoder"].parameters == tuple(
+        f"encoder.{n}" for n, _ in net.encoder.named_parameters()
+    )
+
+
+def test_a_list_of_groups_holding_no_string_is_refused_with_its_type(net: Net) -> None:
+    main, _ = net(X)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^gradient_report\(\): a list of groups must hold selector strings, got Linear;",
+    ):
+        gradient_report({"main": main.sum()}, net, groups=[net.head])
+
+
+def test_the_cosine_of_the_second_and_third_loss_needs_a_parameter_both_reach() -> None:
+    x, y = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
+    losses = {"a": (x + y).sum(), "b": 2 * x.sum(), "c": 3 * y.sum()}
+    report = gradient_report(losses, nn.ParameterDict({"x": x, "y": y}))
+    assert report.total.cosines == {
+        ("a", "b"): pytest.approx(math.sqrt(0.5)),
+        ("a", "c"): pytest.approx(math.sqrt(0.5)),
+        ("b", "c"): None,  # b reaches x only, c y only: undefined, not 0
+    }
+
+
+@pytest.mark.parametrize(
+    ("model", "losses", "groups", "message"),
+    [
+        ("model", {}, None, r"model must be a torch\.nn\.Module, got str;"),
+        (None, [1.0], None, r"losses must be a non-empty mapping .*, got list;"),
+        (None, None, 3, r"groups must be None, .* \{name: selector\(s\)\}, got int$"),
+    ],
+)
+def test_report_arguments_of_the_wrong_type_are_named_with_their_type(
+    net: Net, model: Any, losses: Any, groups: Any, message: str
+) -> None:
+    main, _ = net(X)
+    with pytest.raises(IsolationTypeError, match=r"^gradient_report\(\): " + message):
+        gradient_report(
+            {"main": main.sum()} if losses is None else losses,
+            net if model is None else model,
+            groups=groups,
+        )
+
+
+def test_a_report_on_a_graph_freed_by_backward_is_refused_in_its_name() -> None:
+    model = nn.Linear(2, 1)
+    loss = model(torch.ones(1, 2)).pow(2).sum()
+    loss.backward()
+    with pytest.raises(BlindSpotError, match=r"^gradient_report\(\): part of the loss's graph"):
+        gradient_report({"main": loss}, model)
+
+
+def test_a_report_where_no_loss_reaches_any_parameter_has_every_value_undefined(net: Net) -> None:
+    net.requires_grad_(False)
+    main, _ = net(X)
+    report = gradient_report({"main": main.sum(), "constant": torch.tensor(3.0)}, net)
+    assert report.total.numel == 0 and report.total.norms == {"main": None, "constant": None}
+    assert report.total.shares == {"main": None, "constant": None}
+    assert report["encoder"].size == "frozen (112)"

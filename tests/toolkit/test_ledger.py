@@ -205,3 +205,80 @@ def test_a_tied_parameter_is_one_row() -> None:
     model[1].weight = model[0].weight
     book = ledger(model, F.cross_entropy(model(torch.arange(4)), torch.arange(4)))
     assert [r.name for r in book.rows] == ["0.weight"] and book.rows[0].reached_by == ("loss",)
+
+
+def _small() -> Ledger:
+    """A frozen layer, and a trained one of which the optimizer holds only the weight."""
+    model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([model[1].weight], lr=0.5, weight_decay=0.25, momentum=0.9)
+    return ledger(model, {"main": model(torch.ones(1, 1)).sum()}, opt)
+
+
+def test_the_ledger_as_data_keeps_every_field_of_every_row() -> None:
+    def row(name, trains, reached, slot=None, reasons=(), status="frozen"):  # type: ignore[no-untyped-def]
+        held = {"optimizer": 0, "group": 0, "lr": 0.5, "weight_decay": 0.25, "momentum": False}
+        return {
+            "name": name,
+            "numel": 1,
+            "requires_grad": trains,
+            "reached_by": reached,
+            **(held if slot else dict.fromkeys(held)),
+            "mode": "train",
+            "expects": None,
+            "reasons": list(reasons),
+            "status": status,
+        }
+
+    assert _small().to_dict() == {
+        "rows": [
+            row("0.weight", False, []),
+            row("0.bias", False, []),
+            row("1.weight", True, ["main"], slot=True, status="trains"),
+            row(
+                "1.bias",
+                True,
+                ["main"],
+                reasons=["trainable but in no optimizer"],
+                status="irregular",
+            ),
+        ],
+        "losses": ["main"],
+        "summary": {
+            "parameters": 4,
+            "trainable": 2,
+            "trainable_fraction": 0.5,
+            "tensors": 4,
+            "trainable_tensors": 2,
+            "reached_tensors": 2,
+            "irregular": 1,
+        },
+    }
+    unwalked = ledger(nn.Linear(1, 1)).to_dict()
+    assert unwalked["losses"] is None and unwalked["rows"][0]["reached_by"] is None
+
+
+def test_a_model_without_parameters_trains_no_fraction_of_them() -> None:
+    assert ledger(nn.ReLU()).summary()["trainable_fraction"] == 0.0
+
+
+def test_a_limited_table_puts_the_irregular_rows_first_only_when_it_cuts() -> None:
+    book = _small()
+    assert book.format(limit=4) == str(book)  # nothing cut: model order
+    cut = book.format(limit=2).splitlines()
+    assert [line.split()[0] for line in cut[2:5]] == ["1.bias", "0.weight", "..."]
+    assert cut[4] == "... and 2 more rows"
+
+
+def test_the_table_shows_every_cell_of_every_row() -> None:
+    assert str(_small()).splitlines() == [
+        "name      numel  grad  reached by  optimizer  lr   wd    momentum  mode   expects  status",
+        "  ".join("-" * n for n in (8, 5, 4, 10, 9, 3, 4, 8, 5, 7, 9)),
+        "0.weight  1      no    none        -          -    -     -         train  -        frozen",
+        "0.bias    1      no    none        -          -    -     -         train  -        frozen",
+        "1.weight  1      yes   main        0/0        0.5  0.25  no        train  -        trains",
+        "1.bias    1      yes   main        -          -    -     -         train  -        "
+        "irregular",
+        "irregular 1.bias: trainable but in no optimizer",
+        "trainable 2 of 4 parameters (50.00%) in 2 tensors; reached 2 of 2; irregular 1",
+    ]
