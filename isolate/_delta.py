@@ -42,6 +42,8 @@ def sparse_abs_difference(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """|new - old| at every entry stored on either side, as :func:`abs_difference` has it
     (float64, integers exact, NaN in both places equal)."""
     a, b = _widen(to_coo(old)), _widen(to_coo(new))
+    if a.dense_dim() != b.dense_dim():  # a hybrid tensor against another layout
+        a, b = (t.to_dense().to_sparse().coalesce() if t.dense_dim() else t for t in (a, b))
     # Both sides on the union of their patterns, so the entries line up for abs_difference.
     union = (_pattern(a) + _pattern(b)).coalesce()
     return abs_difference(a.sparse_mask(union).values(), b.sparse_mask(union).values())

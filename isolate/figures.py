@@ -22,7 +22,7 @@ __all__ = ["cell_text", "plot_report"]
 def _matplotlib() -> Any:
     try:
         import matplotlib.figure
-    except ImportError as error:  # pragma: no cover - depends on the environment
+    except ImportError as error:
         raise ImportError(
             "isolate.figures needs matplotlib, an optional dependency: pip install matplotlib"
         ) from error

@@ -476,7 +476,11 @@ def gradient_invariance(
     caller = "gradient_invariance()"
     for what, loss in (("main_loss", main_loss), ("total_loss", total_loss)):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss)
+            got = (
+                f"shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
             raise IsolationTypeError(
                 f"{caller}: {what} must be a scalar tensor, got {got}; reduce it first "
                 f"(e.g. .mean())"

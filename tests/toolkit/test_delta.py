@@ -85,3 +85,18 @@ def test_a_sparse_buffer_gone_nan_is_reported_with_its_moved_entries() -> None:
     assert before.changed() == {"coo": pytest.approx(NAN, nan_ok=True)}
     with pytest.raises(DriftError, match=r"coo .*max\|Δ\|=nan in 2 of 4 elements"):
         before.assert_unchanged()
+
+
+def test_a_hybrid_sparse_tensor_is_compared_with_a_dense_or_fully_sparse_one() -> None:
+    # sparse_dim 1 < ndim 2: each stored entry is a row; the other side has no such rows.
+    hybrid = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([[1.0, 2.0, 3.0]]), (2, 3))
+    dense = hybrid.to_dense()
+    for other in (dense, dense.to_sparse()):
+        assert moved_elements(hybrid, other, 0.0) == 0
+        assert float(sparse_abs_difference(hybrid, other).max()) == 0.0
+    moved = dense.clone()
+    moved[1, 2] = 7.0
+    moved[0, 0] = float("nan")
+    assert moved_elements(hybrid, moved, 0.0) == 2
+    assert moved_elements(moved.to_sparse(1), hybrid, 3.5) == 2  # |7 - 3| = 4 and a NaN
+    assert float(sparse_abs_difference(hybrid, moved).nan_to_num().max()) == 4.0
