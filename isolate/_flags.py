@@ -15,7 +15,7 @@ from isolate._selectors import is_float
 from isolate._text import counted
 from isolate.errors import IsolationTypeError
 
-__all__ = ["HandleSequence", "check_params", "outside_compile", "write_flags"]
+__all__ = ["HandleSequence", "check_params", "outside_compile", "whole_module", "write_flags"]
 
 _dtype = operator.attrgetter("dtype")
 # Types whose requires_grad_ is torch's own, so assigning .requires_grad does the same thing
@@ -70,6 +70,22 @@ def check_params(
                 f"create the model outside inference_mode (or clone its parameters outside it)"
             )
     return values, kinds <= _PLAIN
+
+
+def whole_module(
+    module: nn.Module, caller: str
+) -> tuple[dict[str, nn.Parameter], dict[str, nn.Module]]:
+    """The whole module, as ``select(module, ())`` would give it, without the selector
+    grammar (a module with no parameters, a BatchNorm without affine, is fine here), checked
+    before anything changes so a refused module is left as it was."""
+    params = dict(module.named_parameters())
+    norms: dict[str, nn.Module] = {
+        name: m
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+    check_params(module, caller, params, False)
+    return params, norms
 
 
 def write_flags(params: list[nn.Parameter], flags: list[bool] | bool, plain: bool) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from isolate._flags import HandleSequence, check_params, outside_compile, write_flags
+from isolate._flags import HandleSequence, check_params, outside_compile, whole_module, write_flags
 from isolate._holding import (
     check_policy,
     held_policy,
@@ -427,20 +427,6 @@ def is_frozen(model: nn.Module, *selectors: Selector) -> bool:
     return not any(p.requires_grad for p in selection.params.values())
 
 
-def _whole(module: nn.Module, caller: str) -> tuple[dict[str, nn.Parameter], dict[str, nn.Module]]:
-    """The whole module, as ``select(module, ())`` would give it, without the selector
-    grammar (a module with no parameters, a BatchNorm without affine, is fine here), checked
-    before anything changes so a refused module is left as it was."""
-    params = dict(module.named_parameters())
-    norms: dict[str, nn.Module] = {
-        name: m
-        for name, m in module.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-    }
-    check_params(module, caller, params, False)
-    return params, norms
-
-
 class Frozen(Wrapper):
     """A module whose parameters never learn and whose BatchNorm statistics never move.
 
@@ -482,7 +468,7 @@ class Frozen(Wrapper):
     def __init__(self, module: nn.Module) -> None:
         caller = "Frozen()"
         check_module(module, caller, "the wrapped object")
-        params, norms = _whole(module, caller)
+        params, norms = whole_module(module, caller)
         super().__init__(module)
         self._handle = FreezeHandle(module, caller, params, norms, False, "eval")
 
@@ -490,7 +476,7 @@ class Frozen(Wrapper):
         # ``frozen.module = other`` freezes ``other`` and releases ``old``, as unwrapping and
         # wrapping again would: a Frozen wrapper never holds a module that still learns.
         caller = "Frozen.module = ..."
-        params, norms = _whole(new, caller)
+        params, norms = whole_module(new, caller)
         if self._handle.active:
             self._handle.restore()
         super()._rewrap(old, new)

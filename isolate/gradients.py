@@ -476,11 +476,8 @@ def gradient_invariance(
     caller = "gradient_invariance()"
     for what, loss in (("main_loss", main_loss), ("total_loss", total_loss)):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = (
-                f"shape {tuple(loss.shape)}"
-                if isinstance(loss, torch.Tensor)
-                else type(loss).__name__
-            )
+            is_tensor = isinstance(loss, torch.Tensor)
+            got = f"shape {tuple(loss.shape)}" if is_tensor else type(loss).__name__
             raise IsolationTypeError(
                 f"{caller}: {what} must be a scalar tensor, got {got}; reduce it first "
                 f"(e.g. .mean())"
