@@ -41,7 +41,7 @@ class Wrapper(nn.Module):
         self._check_wrappable(module, f"{type(self).__name__}()")
         super().__init__()
         self.module = module
-        _wrapped.setdefault(module, []).append(weakref.ref(self))
+        self._claim(module)
         self._register_state_dict_hook(_strip_module_infix)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_add_module_infix)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_post_hook(_drop_module_infix)  # type: ignore[no-untyped-call]
@@ -73,10 +73,18 @@ class Wrapper(nn.Module):
     def _rewrap(self, old: nn.Module, new: nn.Module) -> None:
         """Wrap ``new`` in place of ``old`` (both checked); subclasses undo and redo their
         own hold on the module around this."""
-        refs = _wrapped.get(old, [])
-        refs[:] = [r for r in refs if r() is not None and r() is not self]
+        self._release(old)
         super().__setattr__("module", new)
-        _wrapped.setdefault(new, []).append(weakref.ref(self))
+        self._claim(new)
+
+    def _claim(self, module: nn.Module) -> None:
+        """Register this wrapper as one of ``module``'s live wrappers."""
+        _wrapped.setdefault(module, []).append(weakref.ref(self))
+
+    def _release(self, module: nn.Module) -> None:
+        """Take this wrapper (and any dead one) off ``module``'s live wrappers."""
+        refs = _wrapped.get(module, [])
+        refs[:] = [r for r in refs if r() is not None and r() is not self]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Called for copy.deepcopy and for unpickling alike: the copy wraps the copied module,
@@ -84,7 +92,7 @@ class Wrapper(nn.Module):
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         module = self._modules.get("module")
         if module is not None:
-            _wrapped.setdefault(module, []).append(weakref.ref(self))
+            self._claim(module)
         if _drop_module_infix not in self._load_state_dict_post_hooks.values():
             self.register_load_state_dict_post_hook(_drop_module_infix)  # type: ignore[no-untyped-call]
 
@@ -105,8 +113,7 @@ class Wrapper(nn.Module):
 
     def unwrap(self) -> nn.Module:
         """Undo what the wrapper did to the module and return it."""
-        refs = _wrapped.get(self.module, [])
-        refs[:] = [r for r in refs if r() is not None and r() is not self]
+        self._release(self.module)
         return self.module
 
 
