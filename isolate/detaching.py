@@ -110,6 +110,12 @@ class Detached(Wrapper):
         self.inplace: InplacePolicy = inplace
         self.name = name or type(branch).__name__
 
+    def _rewrap(self, old: nn.Module, new: nn.Module) -> None:
+        # A name left to its default is the branch's type name: it follows the new branch.
+        if self.name == type(old).__name__:
+            self.name = type(new).__name__
+        super()._rewrap(old, new)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         caller = f"Detached({self.name})"
         if self.inplace == "copy" or torch.compiler.is_compiling():

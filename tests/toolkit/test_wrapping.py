@@ -14,7 +14,7 @@ from torch import nn
 import isolate
 import isolate.reachability
 from isolate import Cloned, Detached
-from isolate.errors import WrappingError
+from isolate.errors import InplaceModificationError, WrappingError
 from tests.toolkit._shared import Scaled
 
 
@@ -125,6 +125,18 @@ def test_a_wrapper_whose_module_was_replaced_lets_go_of_the_old_one_and_holds_th
         Detached(new)
     assert wrapper.unwrap() is new
     Detached(new)  # and released on unwrap
+
+
+def test_a_detached_wrapper_whose_module_was_replaced_names_the_new_branch_in_its_errors() -> None:
+    class Edit(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mul_(2)
+
+    default, named = Detached(nn.Identity()), Detached(nn.Identity(), name="probe")
+    default.module, named.module = Edit(), Edit()
+    assert (default.name, named.name) == ("Edit", "probe")
+    with pytest.raises(InplaceModificationError, match=r"^Detached\(Edit\): the branch edited"):
+        default(torch.randn(3, 2))
 
 
 def test_a_frozen_wrapper_whose_module_was_replaced_freezes_the_new_and_releases_the_old() -> None:
