@@ -435,15 +435,17 @@ def select_names(
         return found
 
     chosen = set().union(*map(pick, picking)) if picking else set(names)
-    for body in excluded:
-        removed = pick(body)
-        if each_must_match and not removed & chosen:
+    removed: set[str] = set()
+    for body in excluded:  # each checked against the picked names, in any order, as in select
+        out = pick(body)
+        # Never with exclusions alone: they start from every name, and pick refuses nothing.
+        if each_must_match and not out & chosen:
             raise SelectorError(
                 f"{caller}: the exclusion {_NOT + body!r} takes nothing out of "
-                f"{list(picking) or 'everything'} in {where}; remove it, or fix the name"
+                f"{picking} in {where}; remove it, or fix the name"
             )
-        chosen -= removed
-    return [n for n in names if n in chosen]
+        removed |= out
+    return [n for n in names if n in chosen - removed]
 
 
 def _prefixes(names: Sequence[str]) -> list[str]:

@@ -338,6 +338,10 @@ def test_names_are_picked_by_prefix_glob_and_exclusion_without_a_model() -> None
     assert select_names(KEYS, ["trunk", "*.bias"], "doc") == [*TRUNK, "head.bias"]
     assert select_names(KEYS, ["!head"], "doc") == TRUNK  # exclusions alone: from every name
     assert select_names(KEYS, ["trunk", "!*.bias"], "doc") == [KEYS[0], KEYS[2]]
+    # Exclusions are each checked against what is picked, in any order, as select does:
+    # a redundant one (inside another) is no error.
+    for selectors in (["!head", "!head.weight"], ["!head.weight", "!head"]):
+        assert select_names(KEYS, selectors, "doc") == TRUNK
     # Without each_must_match a selector or an exclusion that picks nothing is no error.
     loose = select_names(KEYS, ["trunk", "nothing", "!head"], "doc", each_must_match=False)
     assert loose == TRUNK
@@ -364,8 +368,8 @@ def test_names_are_picked_by_prefix_glob_and_exclusion_without_a_model() -> None
             "glob or a type selector ('!head', '!type:BatchNorm2d')",
         ),
         (
-            ["!head", "!head.weight"],
-            "doc: the exclusion '!head.weight' takes nothing out of everything in the names; "
+            ["trunk", "!head.weight"],
+            "doc: the exclusion '!head.weight' takes nothing out of ['trunk'] in the names; "
             "remove it, or fix the name",
         ),
         (
