@@ -37,8 +37,11 @@ def load_weights_only(path: Path, *, meta: bool = False) -> Any:
         if meta:
             try:
                 return torch.load(path, map_location="meta", weights_only=True)
-            except NotImplementedError:  # a sparse tensor: its invariants need its data
-                pass  # mapped instead: the dense tensors' data is read only where touched
+            except (NotImplementedError, RuntimeError):
+                # A sparse tensor (COO, CSR, CSC, BSR, BSC): its invariants need its data.
+                # Mapped instead (the dense tensors' data is read only where touched); a
+                # corrupt file fails that load too, and is named there.
+                pass
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL ([\w.]+)", str(error))

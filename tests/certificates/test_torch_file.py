@@ -167,6 +167,30 @@ def test_a_sparse_tensor_is_refused_as_one_not_as_a_corrupt_file(tmp_path: Path)
     )
 
 
+@pytest.mark.filterwarnings("ignore:.*sparse.*:UserWarning")
+@pytest.mark.parametrize("layout", ["csr", "csc", "bsr", "bsc"])
+def test_a_compressed_sparse_tensor_is_refused_as_one_not_as_a_corrupt_file(
+    tmp_path: Path, layout: str
+) -> None:
+    # Loading onto the meta device fails for these layouts with a RuntimeError, not the
+    # NotImplementedError of COO: it must not read as a corrupt file.
+    path = tmp_path / "x.pt"
+    eye = torch.eye(4)
+    sparse = {
+        "csr": eye.to_sparse_csr(),
+        "csc": eye.to_sparse_csc(),
+        "bsr": eye.to_sparse_bsr((2, 2)),
+        "bsc": eye.to_sparse_bsc((2, 2)),
+    }[layout]
+    torch.save({"w": torch.ones(2), "s": sparse}, path)
+    with pytest.raises(CheckpointReadError) as error:
+        TorchCheckpoint(path)
+    assert str(error.value) == (
+        f"x.pt, tensor 's': a torch.sparse_{layout} tensor; certify reads dense tensors only: "
+        f"save it with .to_dense()"
+    )
+
+
 def test_a_sparse_tensor_outside_the_weights_leaves_them_readable(tmp_path: Path) -> None:
     path = tmp_path / "run.ckpt"
     weights = {"w": torch.arange(4.0)}
