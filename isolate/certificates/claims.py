@@ -137,7 +137,12 @@ def spec_claims(
     for step in spec.thaw:
         for key in select_names(names, step.selectors, CALLER, where=what):
             thawed.setdefault(key, f"thawed by the spec ({step.name} at {step.when})")
-    declared = set(select_names(names, buffers, CALLER, where=what, each_must_match=False))
+    # No globs declare no buffer (select_names picks every name for an empty list).
+    declared = (
+        set(select_names(names, buffers, CALLER, where=what, each_must_match=False))
+        if buffers
+        else set()
+    )
     held = _held_modules(metas, declared, frozen)
     claims: dict[str, Claim] = {}
     for key, meta in metas.items():

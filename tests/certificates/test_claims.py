@@ -52,6 +52,18 @@ def test_a_thaw_or_buffer_selector_that_selects_no_key_names_the_keys_it_was_mat
         spec_claims(spec, metas, buffers=["type:BatchNorm2d"], where="base.pt")
 
 
+def test_no_buffer_globs_declare_no_buffer() -> None:
+    # An empty list picks every name in select_names: every key would be a buffer, the head
+    # "free" (never checked to move) and the certificate clean.
+    metas = {"trunk.weight": F32, "trunk.running_mean": F32, "head.weight": F32}
+    claims = spec_claims(SpecData.from_dict({"freeze": ["trunk"]}), metas, buffers=[], where="b")
+    assert {k: (c.kind, c.source) for k, c in claims.items()} == {
+        "trunk.weight": ("frozen", "frozen by the spec"),
+        "trunk.running_mean": ("frozen", "frozen by the spec"),
+        "head.weight": ("trainable", "not frozen by the spec"),
+    }
+
+
 @pytest.mark.parametrize("bn", ["eval", "train"])
 def test_the_statistics_of_a_frozen_layer_are_held_or_free_as_the_spec_s_bn_says(bn: str) -> None:
     metas = {
