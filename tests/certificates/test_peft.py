@@ -16,7 +16,7 @@ from isolate.certificates.checkpoint import TensorMeta
 from isolate.certificates.claims import Claim, LoraDelta
 from isolate.certificates.merge import MergeCheck, check_merge
 from isolate.certificates.peft import LoraConfig, adapter_claims
-from isolate.errors import CertificateError
+from isolate.errors import CertificateError, SelectorError
 from tests.certificates._data import (
     ALPHA,
     TARGET,
@@ -220,8 +220,8 @@ def _config(**fields: object) -> LoraConfig:
     return LoraConfig.load({"r": R, "lora_alpha": ALPHA, "target_modules": ["q_proj"], **fields})
 
 
-def _refused(call: Callable[[], object]) -> str:
-    with pytest.raises(CertificateError) as error:
+def _refused(call: Callable[[], object], error_type: type[Exception] = CertificateError) -> str:
+    with pytest.raises(error_type) as error:
         call()
     return str(error.value)
 
@@ -364,18 +364,45 @@ def test_the_config_alone_claims_its_targets_moved_and_every_other_float_key_fro
     )
     assert plain["model.embed_tokens.weight"] == Claim("rows", "trainable rows", rows=(2,))
     assert plain["lm_head.bias"] == Claim("frozen", "not in the adapter")
-    # a buffer glob keeps a saved module's statistics held, and no buffer is declared by
-    # default but BatchNorm's
+    # a saved module's statistics (buffers) stay held, and the modules saved after it are
+    # still claimed; only the buffers= globs declare buffers
     held = adapter_claims(
+        _config(modules_to_save=["norm", "lm_head"]), BASE, None, where="base.safetensors"
+    )
+    assert held["model.norm.running_mean"] == Claim("held", "not in the adapter")
+    assert held["lm_head.weight"] == Claim("trainable", saved)
+    glob = adapter_claims(
         _config(modules_to_save=["lm_head"]),
         BASE,
         None,
         buffers=["lm_head.bias"],
         where="base.safetensors",
     )
-    assert held["lm_head.bias"] == Claim("held", "not in the adapter")
-    assert held["lm_head.weight"] == Claim("trainable", saved)
-    assert held["model.norm.running_mean"] == Claim("frozen", "not in the adapter")
+    assert glob["lm_head.bias"] == Claim("held", "not in the adapter")
+    assert glob["model.norm.running_mean"] == Claim("frozen", "not in the adapter")
+    # bias="all" on a model with no bias frees nothing, and refuses nothing
+    no_bias = {k: m for k, m in BASE.items() if not k.endswith(".bias")}
+    claims = adapter_claims(_config(bias="all"), no_bias, None, where="base.safetensors")
+    assert {c.kind for c in claims.values()} == {"trainable", "frozen", "held"}
+
+
+def test_buffer_globs_and_token_rows_are_refused_in_certifys_name() -> None:
+    assert _refused(
+        lambda: adapter_claims(_config(), BASE, None, buffers=["type:BatchNorm2d"], where="b.pt"),
+        SelectorError,
+    ) == (
+        "certify(): 'type:BatchNorm2d' selects by module class, which the names do not tell "
+        "(there is no model); select by name or glob instead ('trunk', '*.norm.*')"
+    )
+    ids = {**BASE, "model.ids.weight": _meta(4, dtype=torch.int64)}
+    assert _refused(
+        lambda: adapter_claims(
+            _config(trainable_token_indices={"ids": [1]}), ids, None, where="base.pt"
+        )
+    ) == (
+        "certify(): rows= names 'model.ids.weight' of base.pt, a int64[4] tensor; per-row "
+        "claims need a floating-point tensor with rows"
+    )
 
 
 def test_a_target_regex_names_modules_and_one_without_a_weight_is_refused() -> None:
@@ -525,12 +552,33 @@ def test_a_fan_in_fan_out_adapter_fits_its_base_weight_transposed() -> None:
             "'model.layers.0.q_proj.bias']",
         ),
         (
+            {Q + A: _meta(), Q + B: _meta(16, 4)},
+            f"adapter '{Q + A}' is bfloat16[]: only 2-D LoRA factors (linear, embedding) "
+            "can be checked, not convolutions",
+        ),
+        (
             {"base_model.model.lm_head.weight": _meta(12, 8)},
             "the adapter adapter_model.safetensors holds no LoRA factors (keys ending "
             "'.lora_A.weight'); its keys start ['base_model.model.lm_head.weight']",
         ),
+        (
+            {f"base_model.model.{n}.weight": _meta(12, 8) for n in ("a", "b", "c", "d")},
+            "the adapter adapter_model.safetensors holds no LoRA factors (keys ending "
+            "'.lora_A.weight'); its keys start ['base_model.model.a.weight', "
+            "'base_model.model.b.weight', 'base_model.model.c.weight']",
+        ),
     ],
-    ids=["rank", "columns", "conv", "b-not-2d", "no-b", "no-weight", "no-factors"],
+    ids=[
+        "rank",
+        "columns",
+        "conv",
+        "b-not-2d",
+        "no-b",
+        "no-weight",
+        "scalar-a",
+        "no-factors",
+        "first-three-keys",
+    ],
 )
 def test_an_adapter_that_does_not_fit_its_base_is_refused_word_for_word(
     metas: dict[str, TensorMeta], message: str
