@@ -386,6 +386,18 @@ def test_the_config_alone_claims_its_targets_moved_and_every_other_float_key_fro
     assert {c.kind for c in claims.values()} == {"trainable", "frozen", "held"}
 
 
+def test_no_buffer_globs_declare_no_buffer() -> None:
+    claims = adapter_claims(
+        _config(modules_to_save=["lm_head"]), BASE, None, buffers=[], where="base.pt"
+    )
+    assert claims["model.norm.running_mean"] == Claim("frozen", "not in the adapter")
+    assert claims["model.layers.0.k_proj.weight"] == Claim("frozen", "not in the adapter")
+    assert claims["lm_head.weight"] == Claim(
+        "trainable", "modules_to_save (adapter weights not given)"
+    )
+    assert claims["model.norm.num_batches_tracked"] == Claim("held", "not in the adapter")
+
+
 def test_buffer_globs_and_token_rows_are_refused_in_certifys_name() -> None:
     assert _refused(
         lambda: adapter_claims(_config(), BASE, None, buffers=["type:BatchNorm2d"], where="b.pt"),
