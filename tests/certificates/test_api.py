@@ -17,6 +17,7 @@ from tests.certificates._data import (
     base_state,
     lora_adapter,
     lora_base,
+    lora_config,
     merged,
     pair,
     trained,
@@ -139,3 +140,82 @@ def test_a_tie_is_refused_in_the_base_files_name(tmp_path: Path) -> None:
         "certify(): tie ['embed.weight', 'out.weigth'] names 'out.weigth', not a key of "
         "base.pt; closest: ['out.weight', 'trunk.1.weight', 'trunk.0.weight']"
     )
+
+
+def test_the_certificate_records_every_argument_that_made_its_claims(tmp_path: Path) -> None:
+    adapter = lora_adapter()
+    tuned = merged(lora_base(), adapter)
+    tuned["model.embed_tokens.weight"][[3, 1]] += 1
+    paths = write_lora(tmp_path, tuned, adapter)
+    cert = certify(
+        paths["base"],
+        paths["tuned"],
+        adapter_config=paths["config"],
+        adapter=paths["adapter"],
+        rows={"model.embed_tokens.weight": (3, 1)},
+        ties=[("model.layers.0.k_proj.weight", "model.layers.0.q_proj.weight")],
+        detect_ties=False,
+        buffers=("*.running_mean",),
+        ignore=("lm_head",),
+        key=None,
+        ulps=4.0,
+    )
+    assert cert.claims == {
+        "spec": None,
+        "adapter_config": lora_config(),
+        "rows": {"model.embed_tokens.weight": [3, 1]},
+        "ties": [["model.layers.0.k_proj.weight", "model.layers.0.q_proj.weight"]],
+        "detect_ties": False,
+        "buffers": ["*.running_mean"],
+        "ignore": ["lm_head"],
+        "key": None,
+        "prefix": None,
+    }
+    assert cert.tolerances["merge_ulps"] == 4.0
+    files = pair(tmp_path, "torch", trained(base_state()))
+    spec = certify(*files, spec=SPEC, prefix="", key="auto")
+    assert (spec.claims["spec"]["freeze"], spec.claims["spec"]["bn"]) == (["trunk"], "eval")
+    assert {**spec.claims, "spec": None} == {
+        "spec": None,
+        "adapter_config": None,
+        "rows": {},
+        "ties": [],
+        "detect_ties": True,
+        "buffers": ["*.running_mean", "*.running_var", "*.num_batches_tracked"],
+        "ignore": [],
+        "key": "auto",
+        "prefix": "",
+    }
+    assert spec.adapter is None and spec.notes == ()
+
+
+def test_what_is_missing_or_at_odds_is_refused_word_for_word(tmp_path: Path) -> None:
+    files = pair(tmp_path, "torch", trained(base_state()))
+    for kwargs, message in (
+        (
+            {},
+            "nothing to certify: give spec=, adapter_config=, rows= or ties= (a certificate "
+            "without claims would pass whatever the files hold)",
+        ),
+        (
+            {"rows": {}, "ties": []},
+            "nothing to certify: give spec=, adapter_config=, rows= or ties= (a certificate "
+            "without claims would pass whatever the files hold)",
+        ),
+        (
+            {"spec": SPEC, "adapter": files[0]},
+            "adapter= needs adapter_config= (its r, lora_alpha and target_modules give the "
+            "merge's scale)",
+        ),
+        (
+            {"spec": SPEC, "adapter_config": {"r": 2, "lora_alpha": 4}},
+            "give spec= or adapter_config=, not both: a spec describes a training run, an "
+            "adapter config a merge",
+        ),
+    ):
+        with pytest.raises(CertificateError) as error:
+            certify(*files, **kwargs)  # type: ignore[arg-type]
+        assert str(error.value) == "certify(): " + message
+    # ties alone are a claim
+    tied = certify(*files, ties=[["embed.weight", "out.weight"]])
+    assert tied.clean and tied.verdict("embed.weight = out.weight").claim == "tied"
