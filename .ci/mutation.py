@@ -469,8 +469,28 @@ TESTS: dict[str, list[str]] = {
     "isolate/certificates/structure.py": ["tests/certificates"],
     "isolate/certificates/claims.py": ["tests/certificates"],
     "isolate/certificates/compare.py": ["tests/certificates"],
-    "isolate/certificates/peft.py": ["tests/certificates"],
-    "isolate/certificates/api.py": ["tests/certificates"],
+    # The files that certify a LoRA merge (adapter_config=, or --adapter-config for the CLI).
+    "isolate/certificates/peft.py": [
+        "tests/certificates/test_peft.py",
+        "tests/certificates/test_errors.py",
+        "tests/certificates/test_corruptions.py",
+        "tests/certificates/test_verdicts.py",
+        "tests/certificates/test_cli.py",
+    ],
+    # The files that call certify() (or the CLI on it); the others test readers alone.
+    "isolate/certificates/api.py": [
+        "tests/certificates/test_claims.py",
+        "tests/certificates/test_cli.py",
+        "tests/certificates/test_corruptions.py",
+        "tests/certificates/test_engine.py",
+        "tests/certificates/test_errors.py",
+        "tests/certificates/test_formats.py",
+        "tests/certificates/test_lightning.py",
+        "tests/certificates/test_one_pass.py",
+        "tests/certificates/test_peft.py",
+        "tests/certificates/test_structure.py",
+        "tests/certificates/test_verdicts.py",
+    ],
     "isolate/certificates/dcp_folder.py": ["tests/certificates"],
     # The command line's parsing errors are also checked with the package's other commands.
     "isolate/certificates/cli.py": ["tests/certificates", "tests/toolkit/test_cli.py"],
