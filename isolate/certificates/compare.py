@@ -22,7 +22,7 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers of its width (a view, no copy): equal bits, equal ints."""
     if t.dtype.itemsize == 16:  # complex128: two float64 words per element
         t = torch.view_as_real(t)
-    return t.view(_INTS[t.dtype.itemsize]) if t.dtype.itemsize in _INTS else t
+    return t.view(_INTS[t.dtype.itemsize])  # every other width is 1, 2, 4 or 8 bytes
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

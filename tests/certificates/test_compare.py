@@ -51,6 +51,7 @@ def test_the_rows_come_in_blocks_of_about_the_block_size(monkeypatch: pytest.Mon
     assert list(row_blocks(torch.zeros(3, 2, 2, dtype=torch.float64))) == [(0, 1), (1, 2), (2, 3)]
     assert list(row_blocks(torch.zeros(3, 20))) == [(0, 1), (1, 2), (2, 3)]  # a row over a block
     assert list(row_blocks(torch.zeros(50))) == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 50)]
+    assert list(row_blocks(torch.zeros(50, dtype=torch.uint8))) == [(0, 40), (40, 50)]  # 1 byte
     assert list(row_blocks(torch.tensor(1.0))) == [(0, 1)]  # a scalar is one row
     assert list(row_blocks(torch.zeros(0, 4))) == []
     assert list(row_blocks(torch.zeros(4, 0))) == [(0, 4)]
@@ -109,6 +110,7 @@ def test_a_complex128_change_is_counted_by_element_not_by_word() -> None:
 
 def test_a_complex128_tensor_is_constant_when_both_words_of_every_element_are() -> None:
     assert is_constant(torch.full((2, 3), 1 + 2j, dtype=torch.complex128))
+    assert is_constant(torch.tensor(1 + 2j, dtype=torch.complex128))  # one element, two words
     assert not is_constant(torch.tensor([1 + 2j, 2 + 2j], dtype=torch.complex128))
     assert not is_constant(torch.tensor([1 + 2j, 1 + 1j], dtype=torch.complex128))
 
