@@ -468,7 +468,21 @@ TESTS: dict[str, list[str]] = {
     "isolate/certificates/verdicts.py": ["tests/certificates"],
     "isolate/certificates/structure.py": ["tests/certificates"],
     "isolate/certificates/claims.py": ["tests/certificates"],
-    "isolate/certificates/compare.py": ["tests/certificates"],
+    # Only these reach diff_rows / is_constant / row_blocks / as_bits (through the verdicts,
+    # the structure checks and merge); the other certificate tests never call compare.
+    "isolate/certificates/compare.py": [
+        "tests/certificates/test_compare.py",
+        "tests/certificates/test_cli.py",
+        "tests/certificates/test_corruptions.py",
+        "tests/certificates/test_engine.py",
+        "tests/certificates/test_formats.py",
+        "tests/certificates/test_lightning.py",
+        "tests/certificates/test_merge.py",
+        "tests/certificates/test_one_pass.py",
+        "tests/certificates/test_peft.py",
+        "tests/certificates/test_structure.py",
+        "tests/certificates/test_verdicts.py",
+    ],
     # The files that certify a LoRA merge (adapter_config=, or --adapter-config for the CLI).
     "isolate/certificates/peft.py": [
         "tests/certificates/test_peft.py",

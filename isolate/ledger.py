@@ -21,7 +21,7 @@ from torch import nn
 from isolate._autograd import check_losses, walk
 from isolate._holding import held_policy
 from isolate._selectors import check_module, select
-from isolate._sharding import check_leaves
+from isolate._sharding import check_leaves, sharded_view
 from isolate._walker import Names, Tree
 from isolate.errors import IsolationTypeError, SelectorError
 from isolate.exposure import MOMENTUM_STATE, unwrap_optimizer, zero_grad_risks
@@ -295,13 +295,15 @@ def ledger(
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 held.setdefault(id(p), []).append((oi, gi, group, opt.state.get(p, {}), opt, p))
+    view = sharded_view([model], caller)  # an FSDP2 unit may hold its unsharded temporaries
     owners = {
-        id(p): m for _, m in Tree.of(model).modules for p in m._parameters.values() if p is not None
+        id(view.canonical(p)): m
+        for _, m in Tree.of(model).modules
+        for p in m._parameters.values()
+        if p is not None
     }
     rows = [
-        _row(
-            key, p, named, opts, held.get(id(p), []), reached.get(id(p)), owners.get(id(p)), expects
-        )
+        _row(key, p, named, opts, held.get(id(p), []), reached.get(id(p)), owners[id(p)], expects)
         for key, p in names.params.items()
     ]
     return Ledger(
@@ -316,7 +318,7 @@ def _row(
     opts: Sequence[torch.optim.Optimizer] | None,
     slots: list[Slot],
     reached: list[str] | None,
-    owner: nn.Module | None,
+    owner: nn.Module,
     expects: Mapping[str, str] | None,
 ) -> Row:
     reasons: list[str] = []
@@ -347,11 +349,7 @@ def _row(
             reasons.append(f"frozen but the spec expects it to move ({expected})")
     first = slots[0] if slots else None
     kept = first[3] if first else None
-    mode = "train"
-    if owner is not None:
-        mode = (
-            "eval (held)" if held_policy(owner) == "eval" else "train" if owner.training else "eval"
-        )
+    mode = "eval (held)" if held_policy(owner) == "eval" else "train" if owner.training else "eval"
     return Row(
         name=key,
         numel=p.numel(),

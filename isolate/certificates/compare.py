@@ -22,7 +22,7 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers of its width (a view, no copy): equal bits, equal ints."""
     if t.dtype.itemsize == 16:  # complex128: two float64 words per element
         t = torch.view_as_real(t)
-    return t.view(_INTS[t.dtype.itemsize]) if t.dtype.itemsize in _INTS else t
+    return t.view(_INTS[t.dtype.itemsize])  # every other width is 1, 2, 4 or 8 bytes
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -76,12 +76,17 @@ def diff_rows(a: torch.Tensor, b: torch.Tensor) -> RowDiff:
     floating = a.is_floating_point() or a.is_complex()
     for start, stop in row_blocks(a):
         x, y = ra[start:stop], rb[start:stop]
-        ne = (as_bits(x) != as_bits(y)).reshape(stop - start, -1)
+        ne = as_bits(x) != as_bits(y)
+        if ne.dim() > x.dim():  # complex128: an element differs where either of its words does
+            ne = ne.any(-1)
+        ne = ne.reshape(stop - start, -1)
         changed[start:stop] = ne.any(1)
         count = int(ne.sum())
         elements += count
         if count and floating:
-            gap = (x.to(torch.complex128 if a.is_complex() else torch.float64) - y).abs()
+            # Both sides widened: float8 types promote with no other dtype.
+            wide = torch.complex128 if a.is_complex() else torch.float64
+            gap = (x.to(wide) - y.to(wide)).abs()
             top = float(gap[ne.reshape(gap.shape)].nan_to_num(nan=float("inf")).max())
             max_abs = top if max_abs is None else max(max_abs, top)
     return RowDiff(ra.shape[0], changed, elements, max_abs)
@@ -92,7 +97,7 @@ def is_constant(t: torch.Tensor) -> bool:
     if t.numel() <= 1:
         return True
     bits = as_bits(t)
-    first = bits[(0,) * bits.dim()]
+    first = bits[(0,) * t.dim()]  # both words of a complex128
     rows = _rows(bits)
     return all(bool((rows[s:e] == first).all()) for s, e in row_blocks(t))
 

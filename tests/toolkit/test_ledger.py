@@ -7,13 +7,21 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import isolate
-from isolate.errors import IsolationTypeError, SelectorError
+from isolate.errors import (
+    BlindSpotError,
+    IsolationTypeError,
+    SelectorError,
+    ShardedGraphError,
+)
 from isolate.ledger import Ledger, ledger
 from isolate.spec import IsolationSpec, Thaw
+from tests.toolkit.test_sharding import Net, _fully_shard
 
 
 class LoRA(nn.Module):
@@ -282,3 +290,120 @@ def test_the_table_shows_every_cell_of_every_row() -> None:
         "irregular 1.bias: trainable but in no optimizer",
         "trainable 2 of 4 parameters (50.00%) in 2 tensors; reached 2 of 2; irregular 1",
     ]
+
+
+def test_a_row_shows_both_its_losses_its_momentum_its_mode_and_what_the_spec_expects() -> None:
+    model = nn.Linear(1, 1)
+    model.bias.requires_grad_(False)
+    opt = torch.optim.SGD([model.weight], lr=0.5, momentum=0.9)
+    model(torch.ones(1, 1)).sum().backward()
+    opt.step()  # a momentum buffer now
+    model.eval()
+    out = model(torch.ones(1, 1))
+    book = ledger(model, {"a": out.sum(), "b": (2 * out).sum()}, opt, {"weight": "moves"})
+    assert str(book).splitlines()[2:4] == [
+        "weight  1      yes   a,b         0/0        0.5  0   yes       eval  moves    trains",
+        "bias    1      no    none        -          -    -   -         eval  -        frozen",
+    ]
+
+
+def test_a_frozen_row_names_every_risk_of_its_group_and_every_loss_that_reaches_it() -> None:
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.5)
+    model(torch.ones(1, 1)).sum().backward()
+    opt.step()  # a non-zero momentum buffer
+    out = model(torch.ones(1, 1))
+    model.weight.requires_grad_(False)  # frozen after the forward: reached anyway
+    book = ledger(model, {"a": out.sum(), "b": (2 * out).sum()}, opt)
+    assert book.rows[0].reasons == (
+        "frozen but in optimizer 0 group 0, where weight_decay=0.5 shrinks it on every step; "
+        "optimizer state 'momentum_buffer' is non-zero and keeps moving it",
+        "frozen but reached by a, b",
+    )
+
+
+def test_several_losses_given_as_a_list_are_named_by_their_index() -> None:
+    model = nn.Linear(1, 1)
+    out = model(torch.ones(1, 1))
+    book = ledger(model, [out.sum(), (2 * out).sum()])
+    assert book.losses == ("loss[0]", "loss[1]")
+    assert [r.reached_by for r in book.rows] == [("loss[0]", "loss[1]")] * 2
+    assert ledger(model, out.sum()).losses == ("loss",)
+
+
+def test_each_refusal_names_the_caller_and_what_was_given() -> None:
+    model = two_heads()
+    with pytest.raises(IsolationTypeError, match=r"^report\(\): every output must be a torch"):
+        ledger(model, [1.0], caller="report()")  # type: ignore[list-item]
+    with pytest.raises(IsolationTypeError, match=r"selectors to \['still', .*\], got int$"):
+        ledger(model, spec=3)
+    with pytest.raises(SelectorError, match=r"report\(\)\(spec\['nowhere'\]\)"):
+        ledger(model, spec={"nowhere": "still"}, caller="report()")
+
+
+def test_the_mode_of_an_fsdp2_unit_left_unsharded_is_read_from_its_module() -> None:
+    # Between forward and backward the head registers unsharded temporaries, not the sharded
+    # parameters the rows are named by: the owner is found through the sharded one.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = Net()
+        _fully_shard(net, head_stays_unsharded=True)
+        net.eval()
+        book = ledger(net, net(torch.randn(2, 3)).sum())
+    finally:
+        dist.destroy_process_group()
+    assert {r.name: (r.mode, r.reached_by) for r in book.rows} == {
+        "encoder.weight": ("eval", ()),
+        "encoder.bias": ("eval", ()),
+        "head.weight": ("eval", ("loss",)),
+        "head.bias": ("eval", ("loss",)),
+    }
+
+
+def test_what_a_spec_expects_is_read_by_its_first_word() -> None:
+    model = two_heads()  # nothing frozen yet
+    spec = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.0", epoch=1, lr=0.1)])
+    reasons = {r.name: r.reasons for r in ledger(model, spec=spec).rows}
+    assert reasons["trunk.0.weight"] == ("trainable but the spec expects it still until epoch 1",)
+    assert reasons["trunk.1.weight"] == ("trainable but the spec expects it still",)
+    assert reasons["head.weight"] == ()
+    model["head"].requires_grad_(False)
+    rows = {r.name: r for r in ledger(model, spec={"head": "rows", "aux": "moves"}).rows}
+    assert rows["head.weight"].reasons == ("frozen but the spec expects it to move (rows)",)
+    assert rows["head.weight"].expects == "rows" and rows["aux.weight"].reasons == ()
+
+
+def test_a_group_without_weight_decay_shows_none_of_it() -> None:
+    model = nn.Linear(1, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5)  # its groups have no weight_decay
+    row = ledger(model, optimizer=opt).rows[0]
+    assert (row.optimizer, row.group, row.lr, row.weight_decay) == (0, 0, 0.5, 0.0)
+
+
+def test_the_walk_and_the_model_check_name_the_caller() -> None:
+    with pytest.raises(IsolationTypeError, match=r"^report\(\): model must be a torch.nn.Module"):
+        ledger("model", caller="report()")  # type: ignore[arg-type]
+    model = nn.Linear(2, 1)
+    calls: list[int] = []
+
+    def once(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) > 1:
+            raise ValueError("only once")
+        return model(x)  # type: ignore[no-any-return]
+
+    loss = checkpoint(once, torch.ones(1, 2, requires_grad=True), use_reentrant=True).sum()
+    with pytest.raises(BlindSpotError, match=r"^report\(\): re-running the reentrant checkpoint"):
+        ledger(model, loss, caller="report()")
+    model.weight._is_flat_param = True  # type: ignore[attr-defined]  # as FSDP1 flags one
+    with pytest.raises(ShardedGraphError, match=r"^report\(\): the graph's leaves include 1 FSDP1"):
+        ledger(model, model(torch.ones(1, 2)).sum(), caller="report()")
+
+
+def test_the_ledger_counts_the_optimizers_it_searched() -> None:
+    model = nn.Linear(1, 1)
+    first = torch.optim.SGD([model.weight], lr=0.1)
+    second = torch.optim.SGD([model.bias], lr=0.1)
+    assert ledger(model, optimizer=[first, second]).optimizers == 2
+    assert ledger(model, optimizer=first).optimizers == 1
+    assert ledger(model).optimizers is None
