@@ -236,17 +236,20 @@ def test_a_chunk_listed_without_where_it_is_stored_is_refused(
     )
 
 
-@pytest.mark.parametrize("cut", [10, 0.5, -3])
+@pytest.mark.parametrize(
+    ("cut", "error"),
+    [(0, "EOFError"), (10, "UnpicklingError"), (0.5, "UnpicklingError"), (-3, "UnpicklingError")],
+)
 def test_a_truncated_metadata_file_is_named_as_truncated_not_as_foreign(
-    tmp_path: Path, cut: float
+    tmp_path: Path, cut: float, error: str
 ) -> None:
     _, tuned = pair(tmp_path, "dcp", trained(base_state()))
     data = (tuned / ".metadata").read_bytes()
     end = int(len(data) * cut) if isinstance(cut, float) else int(cut)  # or a slice's end
     (tuned / ".metadata").write_bytes(data[:end])
-    with pytest.raises(CheckpointReadError) as error:
+    with pytest.raises(CheckpointReadError) as raised:
         DcpCheckpoint(tuned)
-    assert str(error.value) == "tuned/.metadata: truncated or corrupt (UnpicklingError); re-copy it"
+    assert str(raised.value) == f"tuned/.metadata: truncated or corrupt ({error}); re-copy it"
 
 
 def test_a_group_whose_first_entry_is_no_tensor_is_still_a_group(tmp_path: Path) -> None:
