@@ -474,6 +474,7 @@ TESTS: dict[str, list[str]] = {
     # The files that write or open a torch.distributed.checkpoint folder (the dcp format);
     # test_sharded.py's are all slow (two ranks), so left out.
     "isolate/certificates/dcp_folder.py": [
+        "tests/certificates/test_dcp_folder.py",
         "tests/certificates/test_corruptions.py",
         "tests/certificates/test_errors.py",
         "tests/certificates/test_formats.py",
