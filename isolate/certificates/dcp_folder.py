@@ -57,6 +57,10 @@ _ALLOWED = {
 }
 
 
+class _Foreign(pickle.UnpicklingError):
+    """A class the metadata names that is not the checkpoint's own (not a truncated pickle)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and (
@@ -65,7 +69,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Foreign(f"{module}.{name}")
 
 
 def load_metadata(folder: Path) -> Any:
@@ -80,12 +84,12 @@ def load_metadata(folder: Path) -> Any:
     try:
         with path.open("rb") as f:
             return _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as error:
+    except _Foreign as error:
         raise CheckpointReadError(
             f"{folder.name}/{_METADATA}: holds more than checkpoint metadata (it needs "
             f"{error}), and certify runs no code from a file; re-save the checkpoint"
         ) from None
-    except (EOFError, ValueError, TypeError, AttributeError) as error:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
         raise CheckpointReadError(
             f"{folder.name}/{_METADATA}: truncated or corrupt ({type(error).__name__}); re-copy it"
         ) from None
@@ -113,7 +117,10 @@ class DcpCheckpoint(Checkpoint):
         entries: dict[str, Kind] = {}
         for fqn, parts in paths.items():
             kind: Kind = "tensor" if fqn in tensors else "other"
-            entries.setdefault(parts[0], "group" if len(parts) > 1 and kind == "tensor" else kind)
+            if len(parts) > 1 and kind == "tensor":  # a group, whatever it held before
+                entries[parts[0]] = "group"
+            else:
+                entries.setdefault(parts[0], kind)
         group = choose_group(entries, key, path.name)
         self.group = group
         self._fqns: dict[str, str] = {}
