@@ -124,7 +124,7 @@ def _claims(p: argparse.ArgumentParser) -> None:
 
 
 def _options(p: argparse.ArgumentParser) -> None:
-    opts = p.add_argument_group("options")
+    opts = p.add_argument_group("reading, comparing and output")
     opts.add_argument(
         "--no-detect-ties",
         action="store_true",

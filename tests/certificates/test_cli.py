@@ -129,6 +129,7 @@ def test_the_help_gives_the_usage_the_examples_every_group_and_every_option(
         "--freeze backbone -o certificate.json\n    isolate certify base.ckpt last.ckpt --spec "
         "isolation.yaml --prefix net\n\n"
     ) in raw
+    assert raw.count("\noptions:\n") == 1  # argparse's own (-h); the module's has its title
     text = " ".join(raw.split())
     for line in (
         "base the checkpoint before: a .safetensors file, a torch.save file, or a "
@@ -146,7 +147,8 @@ def test_the_help_gives_the_usage_the_examples_every_group_and_every_option(
         "value by value "
         "--rows KEY=ROWS only these rows of KEY train, e.g. embed.weight=3,7 (repeatable) "
         "--tie KEYS keys that must stay equal, e.g. embed.weight,head.weight (repeatable)",
-        "options: --no-detect-ties do not treat keys bitwise equal in BASE as tied "
+        "reading, comparing and output: --no-detect-ties do not treat keys bitwise equal in "
+        "BASE as tied "
         "--buffers GLOB [GLOB ...] keys that are buffers (default: *.running_mean "
         "*.running_var *.num_batches_tracked) "
         "--ignore SELECTOR [SELECTOR ...] keys to leave out of the certificate "
