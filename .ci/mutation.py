@@ -321,6 +321,7 @@ TESTS: dict[str, list[str]] = {
         "tests/spec/test_ema.py",
         "tests/spec/test_reversal.py",
         "tests/spec/test_cadence.py",
+        "tests/spec/test_contract_clauses.py",
         "tests/lightning/test_contracts_callback.py",
     ],
     # A spec's fields, checked when built, as plain data and back, and prefixed: the spec tests

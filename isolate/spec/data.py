@@ -123,9 +123,7 @@ class SpecData:
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as plain data; ``IsolationSpec.from_dict(spec.to_dict()) == spec``."""
-        thaw = [
-            {f.name: getattr(t, f.name) for f in fields(Thaw) if f.name != "_"} for t in self.thaw
-        ]
+        thaw = [{f.name: getattr(t, f.name) for f in fields(Thaw)} for t in self.thaw]
         for step in thaw:
             step["select"] = list(string_list(step["select"], "select"))
         return {
