@@ -54,11 +54,13 @@ _NOT = "!"
 @dataclass
 class Selection:
     """Parameters and BatchNorm modules picked out of a model, in model order, without repeats;
-    with ``select(..., modes=True)`` also every module whose forward reads ``.training``."""
+    with ``select(..., modes=True)`` also every module whose forward reads ``.training``, and
+    with ``select(..., holders=True)`` every module that holds buffers."""
 
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     norms: dict[str, nn.modules.batchnorm._BatchNorm] = field(default_factory=dict)
     modes: dict[str, nn.Module] = field(default_factory=dict)
+    holders: dict[str, nn.Module] = field(default_factory=dict)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -307,13 +309,21 @@ def _split(selectors: tuple[Selector, ...], caller: str) -> tuple[tuple[Selector
 
 
 def select(
-    model: nn.Module, selectors: tuple[Selector, ...], caller: str, *, modes: bool = False
+    model: nn.Module,
+    selectors: tuple[Selector, ...],
+    caller: str,
+    *,
+    modes: bool = False,
+    holders: bool = False,
 ) -> Selection:
     """Resolve ``selectors`` against ``model``; raise before anything is changed.
 
     With ``modes=True`` the selection also lists, in ``modes``, every module it covers whose
     behaviour depends on its mode (:func:`isolate._holding.reads_training`): what
-    ``freeze(..., mode="eval")`` holds.
+    ``freeze(..., mode="eval")`` holds. With ``holders=True`` it lists, in ``holders``,
+    every module it covers that holds buffers of its own, by the rule that covers a
+    BatchNorm: all its own parameters are selected, or (a module without parameters, such
+    as a constant table) a module, name, type or glob selector covers its place.
 
     No selector means the whole model, and so do exclusions alone. A selector that picks
     nothing, or an exclusion that takes nothing out, is an error that lists what the model
@@ -371,7 +381,13 @@ def select(
     selection.norms.update(_covered(*args, _is_norm))  # type: ignore[arg-type]
     if modes:
         selection.modes = _covered(*args, reads_training)
+    if holders:
+        selection.holders = _covered(*args, _holds_buffers)
     return selection
+
+
+def _holds_buffers(module: nn.Module) -> bool:
+    return any(b is not None for b in module._buffers.values())
 
 
 def is_float(p: torch.Tensor) -> bool:

@@ -138,20 +138,6 @@ def params_of(
     return {names.of_id[id(p)]: p for p in picked}
 
 
-def held_buffers(model: nn.Module, names: Names, params: Mapping[str, nn.Parameter]) -> list[str]:
-    """The buffers of the modules whose own parameters are all in ``params`` (BatchNorm's
-    statistics of a selected layer), by ``state_dict`` key."""
-    ids = {id(p) for p in params.values()}
-    out = []
-    for module in model.modules():
-        own = [p for p in module._parameters.values() if p is not None]
-        if own and all(id(p) in ids for p in own):
-            out += [
-                names.of_id[id(b)] for b in module.buffers(recurse=False) if id(b) in names.of_id
-            ]
-    return out
-
-
 def in_optimizers(
     params: Mapping[str, torch.Tensor], optimizers: Sequence[torch.optim.Optimizer]
 ) -> list[str]:
@@ -274,16 +260,19 @@ class Teacher(Clauses):
 
     def __init__(self, contract: Contract, model: nn.Module, names: Names, caller: str) -> None:
         super().__init__(contract, model, names, caller)
-        selection = select(model, contract.select, self.where, modes=True)
+        selection = select(model, contract.select, self.where, modes=True, holders=True)
         self.params = {names.of_id[id(p)]: p for p in selection.params.values()}
         self.modes = dict(selection.modes)
-        buffers = held_buffers(model, names, self.params)
-        buffers += [
-            names.of_id[id(b)]
-            for m in self.modes.values()
-            for b in m.buffers(recurse=False)
-            if id(b) in names.of_id and names.of_id[id(b)] not in buffers
-        ]
+        # The buffers of every module the selection covers (a selected layer's, a constant
+        # table's under a selected network) and of its mode-dependent layers.
+        buffers = list(
+            dict.fromkeys(
+                names.of_id[id(b)]
+                for m in [*selection.holders.values(), *self.modes.values()]
+                for b in m.buffers(recurse=False)
+                if id(b) in names.of_id
+            )
+        )
         self.snap: Snapshot | None = snapshot(
             model, names=[*self.params, *buffers], drift="fingerprint"
         )

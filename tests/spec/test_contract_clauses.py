@@ -48,8 +48,10 @@ def teacher_net() -> nn.ModuleDict:
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     lin.register_buffer("scale", torch.ones(4))  # a buffer of a layer the teacher selects
+    table = nn.Module()  # no parameter, no mode: a constant only its place makes the teacher's
+    table.register_buffer("pos", torch.arange(4.0))
     teacher = nn.ModuleDict(
-        {"lin": lin, "norm": nn.BatchNorm1d(4, affine=False), "gate": Gate()}
+        {"lin": lin, "norm": nn.BatchNorm1d(4, affine=False), "gate": Gate(), "table": table}
     )  # the norm has no parameter: only its mode makes it the teacher's
     return nn.ModuleDict({"teacher": teacher, "head": nn.Linear(4, 2)})
 
@@ -59,11 +61,12 @@ def teacher_net() -> nn.ModuleDict:
     [
         ("teacher.lin.scale", "['teacher.lin.scale (buffer)']"),
         ("teacher.norm.running_mean", "['teacher.norm.running_mean (buffer)']"),
+        ("teacher.table.pos", "['teacher.table.pos (buffer)']"),
         ("teacher.gate.child.count", None),  # excluded from the teacher
         ("head.bias", None),  # not the teacher's
     ],
 )
-def test_a_teacher_watches_the_buffers_of_its_layers_and_of_its_mode_dependent_layers(
+def test_a_teacher_watches_the_buffers_of_its_layers_its_constants_and_its_mode_layers(
     edited: str, changed: str | None
 ) -> None:
     model = teacher_net()

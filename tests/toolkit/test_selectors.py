@@ -484,3 +484,13 @@ def test_a_literal_bracket_is_escaped_as_the_error_says() -> None:
     for typo in ("w[0", "w*]", "w[!]", "w[]", "w[[]0]"):
         with pytest.raises(SelectorError, match=rf"^doc: malformed glob {re.escape(repr(typo))}"):
             select_names(keys, [typo], "doc")
+
+
+def test_holders_are_the_modules_with_buffers_the_selection_covers_net_of_its_exclusions() -> None:
+    table = nn.Module()  # no parameter: covered by its place alone
+    table.register_buffer("pos", torch.arange(3.0))
+    net = nn.Sequential(nn.Linear(2, 2), table, nn.BatchNorm1d(2), nn.Linear(2, 2))
+    assert list(select(net, (), "t", holders=True).holders) == ["1", "2"]
+    assert list(select(net, ("!2",), "t", holders=True).holders) == ["1"]
+    assert list(select(net, ("0", "2"), "t", holders=True).holders) == ["2"]
+    assert select(net, (), "t").holders == {}  # only when asked for
