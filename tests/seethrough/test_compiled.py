@@ -9,14 +9,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from isolate._compiled import _region_name, forget_compiled
 from isolate.cutoff import assert_reached, cut_off_parameters
 from isolate.detaching import GradientScale
 from isolate.errors import BlindSpotError, CutOffError, GradientLeakError
@@ -259,7 +261,8 @@ def test_gradient_scale_alpha_changes_under_fullgraph() -> None:
 
 def test_seeing_through_loads_no_compiler_until_a_compiled_region_is_met() -> None:
     """``import isolate`` and every audit of an eager graph leave torch._dynamo, transformers
-    and peft unloaded: the see-through reads compiled nodes, it does not import a compiler."""
+    and peft unloaded: the see-through reads compiled nodes, it does not import a compiler;
+    nor does forgetting compiled code (at a thaw) where none was loaded."""
     root = str(Path(__file__).resolve().parents[2])
     env = {
         **os.environ,
@@ -274,8 +277,42 @@ def test_seeing_through_loads_no_compiler_until_a_compiled_region_is_met() -> No
         "loss = m(torch.randn(3, 2)).sum()\n"
         "reachable_parameters(loss, m); cut_off_parameters(loss, m)\n"
         "gradient_report({'loss': loss}, m)\n"
+        "from isolate._compiled import forget_compiled\n"
+        "assert forget_compiled() == 0\n"
         "print(sorted(n for n in ('torch._dynamo', 'transformers', 'peft') if n in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_region_is_named_with_what_its_torch_version_records() -> None:
+    """A region without the metadata or the traced code this torch keeps is still named; a
+    code object without ``co_qualname`` (Python 3.10) by its ``co_name``."""
+    assert _region_name(SimpleNamespace()) == "a torch.compile region"
+    code = SimpleNamespace(co_name="forward", co_filename="net.py", co_firstlineno=7)
+    region = SimpleNamespace(
+        metadata=SimpleNamespace(compile_id_str="2/1"),
+        _lazy_backward_info=SimpleNamespace(saved_context=SimpleNamespace(traced_code=[code])),
+    )
+    assert _region_name(region) == "the torch.compile region forward (net.py:7), graph 2/1"
+
+
+def test_forgetting_compiled_code_makes_dynamo_compile_again() -> None:
+    compiles: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., object]:
+        compiles.append(1)
+        return gm.forward
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() + 1
+
+    compiled = torch.compile(f, backend=backend)
+    x = torch.randn(3)
+    compiled(x)
+    compiled(x)
+    assert len(compiles) == 1
+    assert forget_compiled() > 0  # f's code among them
+    compiled(x)
+    assert len(compiles) == 2
