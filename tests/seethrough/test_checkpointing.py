@@ -181,10 +181,14 @@ def test_the_audit_leaves_rng_buffers_and_trace_as_they_were() -> None:
     assert report["segment"].norms["loss"] == pytest.approx(want, rel=1e-5)
 
 
-def test_the_walk_keeps_none_of_what_a_re_run_segment_saves() -> None:
+@pytest.mark.parametrize("fake", [True, False])
+def test_the_walk_keeps_none_of_what_a_re_run_segment_saves(fake: bool) -> None:
     """A walk needs the re-run graph's structure only: holding every segment's activations
-    at once would cost what checkpointing saves."""
+    at once would cost what checkpointing saves (re-run on fake tensors, or for real where a
+    forward hook must see real values)."""
     model = Net("reentrant")
+    if not fake:
+        model.block.register_forward_hook(lambda *_: None)
     main, _ = model.run(IDS, leak=False)
     found = walk([main], "test")
     tanh = [node for node in found.parent if node.name() == "TanhBackward0"]
@@ -406,6 +410,8 @@ def test_a_segments_arguments_and_outputs_that_take_no_gradient_are_passed_over(
     loss = a.pow(2).sum() + doubled.sum()
     params = [x, *model.parameters()]
     got = differentiate(loss, params, "test")
+    # b gets backward's zeros from the output the loss does not use: reached, as .grad says
+    assert reachable_parameters(loss, model) == ("a.weight", "a.bias", "b.weight", "b.bias")
     loss.backward()
     assert model["b"].weight.grad is not None
     for g, p in zip(got, params, strict=True):

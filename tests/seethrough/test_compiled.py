@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isolate._compiled import _region_name, forget_compiled
+from isolate._compiled import _donates, _region_name, compiled_in, forget_compiled
 from isolate.cutoff import assert_reached, cut_off_parameters
 from isolate.detaching import GradientScale
 from isolate.errors import BlindSpotError, CutOffError, GradientLeakError
@@ -316,3 +316,22 @@ def test_forgetting_compiled_code_makes_dynamo_compile_again() -> None:
     assert forget_compiled() > 0  # f's code among them
     compiled(x)
     assert len(compiles) == 2
+
+
+def test_a_region_without_this_torchs_record_of_donated_buffers_donates_none() -> None:
+    with torch._functorch.config.patch(donated_buffer=True):
+        assert not _donates(SimpleNamespace(metadata=SimpleNamespace()))
+        region = SimpleNamespace(metadata=SimpleNamespace(bw_donated_idxs=[0]))
+        assert not _donates(region)  # its backward not compiled yet
+        region.compiled_bw = object()
+        assert _donates(region)
+
+
+def test_a_graph_holds_a_compiled_region_only_where_torch_compile_made_one() -> None:
+    model = Net(leak=True)
+    x = torch.randn(2, 5)
+    eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")(x)
+    assert compiled_in(list(eager), "test") is False
+    assert compiled_in(list(compiled), "test") is True
+    assert compiled_in([eager[0], compiled[1]], "test") is True
