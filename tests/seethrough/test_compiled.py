@@ -333,5 +333,76 @@ def test_a_graph_holds_a_compiled_region_only_where_torch_compile_made_one() -> 
     eager = model(x)
     compiled = torch.compile(model, backend="aot_eager")(x)
     assert compiled_in(list(eager), "test") is False
-    assert compiled_in(list(compiled), "test") is True
+    assert compiled_in([compiled[0] * 2], "test") is True  # a step below the output
     assert compiled_in([eager[0], compiled[1]], "test") is True
+
+
+def test_the_search_for_compiled_regions_looks_at_each_node_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each of ten diamonds doubles the routes to the region; the search is linear in nodes."""
+    import isolate._compiled as compiled_module
+
+    looked: list[object] = []
+    is_compiled = compiled_module.is_compiled
+
+    def counted(node: object) -> bool:
+        looked.append(node)
+        return is_compiled(node)
+
+    monkeypatch.setattr(compiled_module, "is_compiled", counted)
+    block = nn.Linear(3, 3)
+    h = torch.compile(block, backend="aot_eager")(torch.randn(2, 3))
+    for _ in range(10):
+        h = h + h.sin()
+    assert compiled_in([h.sum()], "test") is True
+    # sum, the diamonds, the region, its two parameters' AccumulateGrad
+    assert len(looked) == len(set(looked)) == 1 + 2 * 10 + 1 + 2
+
+
+def test_a_region_that_mutates_an_input_gives_the_eager_answer() -> None:
+    """An input that requires grad, changed in place by the region, gets its tangent first
+    (AOTAutograd applies that mutation outside the graph); one that needs no gradient is
+    changed inside the graph and gets none."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"lin": nn.Linear(3, 3), "other": nn.Linear(3, 3), "probe": nn.Linear(3, 1)}
+    )
+
+    def f(h: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h.mul_(2)
+        counter.add_(1)
+        return model["lin"](h).sum(), h.detach().sum()
+
+    x = torch.randn(2, 3, requires_grad=True)
+    main, detached = torch.compile(f, backend="aot_eager")(model["other"](x), torch.zeros(2))
+    assert type(main.grad_fn).__name__ == "CompiledFunctionBackward"
+    assert reachable_parameters(main, model) == (
+        "lin.weight",
+        "lin.bias",
+        "other.weight",
+        "other.bias",
+    )
+    assert reachable_parameters(model["probe"](detached.reshape(1, 1).expand(1, 3)), model) == (
+        "probe.weight", "probe.bias",
+    )  # fmt: skip
+
+
+def test_a_region_whose_outputs_are_views_gives_the_eager_answer() -> None:
+    """Views of an input, and two views of one intermediate (AOTAutograd regenerates them
+    outside the region from their base), reach what eager autograd reaches."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lin": nn.Linear(3, 3), "other": nn.Linear(3, 3)})
+
+    def f(h: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = model["lin"](h)
+        return t[0], t[1], g.view(-1)
+
+    x = torch.randn(2, 3, requires_grad=True)
+    for run in (f, torch.compile(f, backend="aot_eager")):
+        a, b, v = run(model["other"](x), model["other"](x) * 2)
+        assert reachable_parameters(a.sum(), model) == tuple(n for n, _ in model.named_parameters())
+        assert reachable_parameters(b.sum() + v.sum(), model) == (
+            "lin.weight", "lin.bias", "other.weight", "other.bias",
+        )  # fmt: skip
+        assert reachable_parameters(v.sum(), model) == ("other.weight", "other.bias")
