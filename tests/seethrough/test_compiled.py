@@ -18,7 +18,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from isolate._compiled import _donates, _region_name, compiled_in, forget_compiled
+from isolate._compiled import (
+    _donates,
+    _refuse_stale,
+    _region_name,
+    compiled_in,
+    forget_compiled,
+)
 from isolate.cutoff import assert_reached, cut_off_parameters
 from isolate.detaching import GradientScale
 from isolate.errors import BlindSpotError, CutOffError, GradientLeakError
@@ -406,3 +412,18 @@ def test_a_region_whose_outputs_are_views_gives_the_eager_answer() -> None:
             "lin.weight", "lin.bias", "other.weight", "other.bias",
         )  # fmt: skip
         assert reachable_parameters(v.sum(), model) == ("other.weight", "other.bias")
+
+
+def test_a_region_whose_record_of_its_inputs_does_not_line_up_is_refused() -> None:
+    """Without this torch's record of which inputs required grad at compile time, or with
+    one that does not line up with the node, staleness cannot be told: refused by name."""
+    for metadata in (SimpleNamespace(compile_id_str="0/3"),
+                     SimpleNamespace(compile_id_str="0/3", input_info=[])):  # fmt: skip
+        node = SimpleNamespace(_forward_cls=SimpleNamespace(metadata=metadata), next_functions=())
+        with pytest.raises(
+            BlindSpotError,
+            match=r"^mine\(\): cannot tell which inputs of a torch\.compile region, graph 0/3 "
+            r"required grad when it was compiled \(torch .*\)\. Fix: run the audit on the model "
+            r"before torch\.compile",
+        ):
+            _refuse_stale(node, (True,), "mine()")  # type: ignore[arg-type]
