@@ -19,7 +19,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from isolate._compiled import (
+    _backward_graph,
     _donates,
+    _read,
     _refuse_stale,
     _region_name,
     compiled_in,
@@ -27,7 +29,7 @@ from isolate._compiled import (
 )
 from isolate.cutoff import assert_reached, cut_off_parameters
 from isolate.detaching import GradientScale
-from isolate.errors import BlindSpotError, CutOffError, GradientLeakError
+from isolate.errors import BlindSpotError, CutOffError, GradientLeakError, StaleCompileError
 from isolate.gradients import gradient_invariance, gradient_report
 from isolate.reachability import assert_isolated, reachable_parameters
 
@@ -427,3 +429,94 @@ def test_a_region_whose_record_of_its_inputs_does_not_line_up_is_refused() -> No
             r"before torch\.compile",
         ):
             _refuse_stale(node, (True,), "mine()")  # type: ignore[arg-type]
+
+
+def test_a_stale_region_names_each_input_compiled_without_grad_and_how_to_fix_it() -> None:
+    """The inputs that require grad now (the node's edges that are not None, in order) and
+    did not when the region was compiled: named by the tensors their edges accumulate into.
+    (The end-to-end case, a guard filter hiding a thaw, runs in a child process in
+    test_compile_thaw.py.)"""
+    weight, bias, fresh = torch.zeros(6, 6), torch.zeros(6), torch.zeros(2)
+    leaf = SimpleNamespace
+    node = SimpleNamespace(
+        _forward_cls=SimpleNamespace(
+            metadata=SimpleNamespace(
+                compile_id_str="1/0",
+                input_info=[leaf(requires_grad=b) for b in (False, False, True, False, False)],
+            )
+        ),
+        next_functions=(
+            (leaf(variable=weight), 0),
+            (None, 0),
+            (leaf(variable=fresh), 0),
+            (leaf(variable=bias), 0),
+            (leaf(), 0),  # no variable: not a leaf's edge
+        ),
+    )
+    with pytest.raises(StaleCompileError) as caught:
+        _refuse_stale(node, (True, False, True, True, True), "mine()")  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "mine(): a torch.compile region, graph 1/0 was compiled while 2 of its inputs (shapes "
+        "(6, 6), (6,)) did not require grad, and runs now that they do: its backward has no "
+        "gradient for them, so they never learn (dynamo's guards did not see the flip, as under "
+        "a guard_filter_fn that skips nn-module or parameter guards). Fix: thaw through the "
+        "spec (IsolationSpec thaws make dynamo compile again), call "
+        "torch._dynamo.reset_code_caches() after flipping flags by hand, or compile without "
+        "the guard filter"
+    )
+    assert caught.value.tensors == (weight, bias)
+    node._forward_cls.metadata.input_info = [leaf(requires_grad=True)] * 5
+    assert _refuse_stale(node, (True, False, True, True, True), "mine()") is None  # type: ignore[arg-type, func-returns-value]
+
+
+def test_a_region_without_this_torchs_lazy_backward_has_no_graph_to_read() -> None:
+    assert _backward_graph(SimpleNamespace()) is None
+    assert _backward_graph(SimpleNamespace(_lazy_backward_info=SimpleNamespace())) is None
+    graph = object()
+    module = SimpleNamespace(graph=graph)
+    info = SimpleNamespace(bw_module=None, bw_module_fn=lambda: module)
+    assert _backward_graph(SimpleNamespace(_lazy_backward_info=info)) is graph
+    info = SimpleNamespace(bw_module=module, bw_module_fn=None)
+    assert _backward_graph(SimpleNamespace(_lazy_backward_info=info)) is graph
+
+
+class _Doubled(torch.autograd.Function):
+    """A user's Function whose class happens to carry ``metadata``, as AOTAutograd's do."""
+
+    metadata = "not a compiled region's"
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+def test_only_a_node_named_as_a_compiled_region_is_read_as_one() -> None:
+    model = nn.Linear(3, 3)
+    loss = _Doubled.apply(model(torch.randn(2, 3))).sum()
+    assert compiled_in([loss], "test") is False
+    assert reachable_parameters(loss, model) == ("weight", "bias")
+
+
+def test_a_region_over_tensor_subclasses_is_refused_by_name() -> None:
+    """Its backward graph works on the subclasses' inner tensors, which do not line up with
+    the node's edges; a region without this torch's subclass record is read as plain."""
+    model = Net(leak=True)
+    main, _ = torch.compile(model, backend="aot_eager")(torch.randn(3, 5))
+    node = main.grad_fn
+    while node.name() != "CompiledFunctionBackward":
+        node = node.next_functions[0][0]
+    region = node._forward_cls
+    kept = region.maybe_subclass_metadata
+    region.maybe_subclass_metadata = object()
+    try:
+        with pytest.raises(BlindSpotError, match=r"^reachable_parameters\(\): cannot see which"):
+            reachable_parameters(main, model)
+    finally:
+        region.maybe_subclass_metadata = kept
+    info = SimpleNamespace(bw_module=SimpleNamespace(graph=object()))
+    plain = type("Region", (), {"_lazy_backward_info": info})
+    assert _read(plain) is None  # no metadata to line the graph up with
