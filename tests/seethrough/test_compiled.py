@@ -520,3 +520,37 @@ def test_a_region_over_tensor_subclasses_is_refused_by_name() -> None:
     info = SimpleNamespace(bw_module=SimpleNamespace(graph=object()))
     plain = type("Region", (), {"_lazy_backward_info": info})
     assert _read(plain) is None  # no metadata to line the graph up with
+
+
+def test_a_backward_graph_with_more_tangents_than_the_region_has_outputs_is_not_read() -> None:
+    graph = torch.fx.Graph()
+    t1, t2 = graph.placeholder("tangents_1"), graph.placeholder("tangents_2")
+    graph.output((graph.call_function(torch.add, (t1, t2)),))
+    output = SimpleNamespace(
+        output_type=SimpleNamespace(name="non_alias"),
+        raw_type=torch.Tensor,
+        requires_grad_for_backward=True,
+    )
+    metadata = SimpleNamespace(
+        input_info=[],
+        mutated_inp_runtime_indices=[],
+        output_info=[output],
+        num_outputs=1,
+        num_intermediate_bases=0,
+    )
+    info = SimpleNamespace(bw_module=SimpleNamespace(graph=graph))
+    region = type("Region", (), {"_lazy_backward_info": info, "metadata": metadata})
+    assert _read(region) is None  # two tangents, one output that takes one
+    output_info = [output, output]
+    region = type(
+        "Region",
+        (),
+        {
+            "_lazy_backward_info": info,
+            "metadata": SimpleNamespace(
+                **{**vars(metadata), "output_info": output_info, "num_outputs": 2}
+            ),
+        },
+    )
+    read = _read(region)
+    assert read is not None and read.masks == (0b11,) and read.slots == (0, 1)
