@@ -26,6 +26,7 @@ from isolate._compiled import (
     _region_name,
     compiled_in,
     forget_compiled,
+    live_edges,
 )
 from isolate.cutoff import assert_reached, cut_off_parameters
 from isolate.detaching import GradientScale
@@ -522,7 +523,7 @@ def test_a_region_over_tensor_subclasses_is_refused_by_name() -> None:
     assert _read(plain) is None  # no metadata to line the graph up with
 
 
-def test_a_backward_graph_with_more_tangents_than_the_region_has_outputs_is_not_read() -> None:
+def test_a_backward_graph_or_a_node_that_does_not_line_up_with_the_region_is_not_read() -> None:
     graph = torch.fx.Graph()
     t1, t2 = graph.placeholder("tangents_1"), graph.placeholder("tangents_2")
     graph.output((graph.call_function(torch.add, (t1, t2)),))
@@ -554,3 +555,10 @@ def test_a_backward_graph_with_more_tangents_than_the_region_has_outputs_is_not_
     )
     read = _read(region)
     assert read is not None and read.masks == (0b11,) and read.slots == (0, 1)
+
+    # A node that does not line up with its region: no flags, or fewer edges than flags.
+    unflagged = SimpleNamespace(_forward_cls=region, next_functions=())
+    edgeless = SimpleNamespace(_forward_cls=region, next_functions=(), needs_input_grad=(True,))
+    for node in (unflagged, edgeless):
+        with pytest.raises(BlindSpotError, match=r"^mine\(\): cannot see which inputs of a "):
+            live_edges(node, {0}, "mine()")  # type: ignore[arg-type]
