@@ -580,6 +580,32 @@ TESTS: dict[str, list[str]] = {
     ],
     "isolate/certificates/safetensors_file.py": ["tests/certificates"],
     "isolate/certificates/torch_file.py": ["tests/certificates"],
+    # Reentrant checkpoints re-run for a walk or a gradient: the files that build them (the
+    # see-through tests, the transformers' gradient checkpointing, the audits that walk them,
+    # the named losses through a segment); the default (tests/toolkit) would trace them all.
+    "isolate/_checkpointing.py": [
+        "tests/seethrough/test_checkpointing.py",
+        "tests/seethrough/test_fake_reruns.py",
+        "tests/seethrough/test_transformers.py",
+        "tests/transformers/test_checkpointing.py",
+        "tests/spec/test_loss_checks.py",
+        "tests/toolkit/test_cutoff.py",
+        "tests/toolkit/test_cutoff_reasons.py",
+        "tests/toolkit/test_reachability.py",
+        "tests/toolkit/test_audit_properties.py",
+    ],
+    # Compiled regions are read only under torch.compile. Dynamo never traces this module (the
+    # walks read a compiled node after the forward), so with only it mutated the dynamo tests
+    # run under mutmut: the audits of compiled regions and the flips between compiled steps;
+    # in plain mode the walks ask is_compiled, gradients compiled_in and thaws forget_compiled.
+    # Not the guard-filter test: its child imports the trampolines without mutmut's config.
+    "isolate/_compiled.py": [
+        "tests/seethrough/test_compiled.py",
+        "tests/seethrough/test_compile_thaw.py::test_a_flip_between_steps_trains_as_in_eager",
+        "tests/seethrough/test_compile_thaw.py::test_a_thaw_under_inductor_trains_as_in_eager",
+        "tests/toolkit/test_gradients.py",
+        "tests/spec/test_thawing.py",
+    ],
 }
 
 

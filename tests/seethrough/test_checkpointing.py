@@ -8,6 +8,7 @@ again and writes ``.grad``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from isolate._autograd import walk
+from isolate._checkpointing import differentiate, keep_arguments
 from isolate.cutoff import assert_reached, cut_off_parameters, trace_forward
 from isolate.errors import BlindSpotError, CutOffError, GradientLeakError
 from isolate.gradients import gradient_invariance, gradient_report
@@ -179,10 +181,14 @@ def test_the_audit_leaves_rng_buffers_and_trace_as_they_were() -> None:
     assert report["segment"].norms["loss"] == pytest.approx(want, rel=1e-5)
 
 
-def test_the_walk_keeps_none_of_what_a_re_run_segment_saves() -> None:
+@pytest.mark.parametrize("fake", [True, False])
+def test_the_walk_keeps_none_of_what_a_re_run_segment_saves(fake: bool) -> None:
     """A walk needs the re-run graph's structure only: holding every segment's activations
-    at once would cost what checkpointing saves."""
+    at once would cost what checkpointing saves (re-run on fake tensors, or for real where a
+    forward hook must see real values)."""
     model = Net("reentrant")
+    if not fake:
+        model.block.register_forward_hook(lambda *_: None)
     main, _ = model.run(IDS, leak=False)
     found = walk([main], "test")
     tanh = [node for node in found.parent if node.name() == "TanhBackward0"]
@@ -246,15 +252,19 @@ def test_a_segment_that_cannot_be_re_run_is_refused_by_every_audit() -> None:
     main, probe = model.run(IDS, leak=True)
     main.backward()  # frees the segment's saved arguments
     audits = [
-        lambda: reachable_parameters(probe, model),
-        lambda: assert_isolated(probe, model.block),
-        lambda: cut_off_parameters(probe, model),
-        lambda: assert_reached(probe, model),
-        lambda: gradient_report({"probe": probe}, model),
-        lambda: gradient_invariance(probe, probe * 1, model.block),
+        ("reachable_parameters", lambda: reachable_parameters(probe, model)),
+        ("assert_isolated", lambda: assert_isolated(probe, model.block)),
+        ("cut_off_parameters", lambda: cut_off_parameters(probe, model)),
+        ("assert_reached", lambda: assert_reached(probe, model)),
+        ("gradient_report", lambda: gradient_report({"probe": probe}, model)),
+        ("gradient_invariance", lambda: gradient_invariance(probe, probe * 1, model.block)),
     ]
-    for audit in audits:
-        with pytest.raises(BlindSpotError, match=r"saved arguments are gone.*retain_graph=True"):
+    for caller, audit in audits:
+        with pytest.raises(
+            BlindSpotError,
+            match=rf"^{caller}\(\): cannot re-run the reentrant checkpoint of Net\.segment to "
+            r"see which parameters it uses: its saved arguments are gone.*retain_graph=True",
+        ):
             audit()
 
     calls = []
@@ -347,3 +357,117 @@ def test_the_loop_checks_reach_after_backward_through_reentrant_segments(
                 loop.end_step()
     finally:
         handle.restore()
+
+
+def test_a_refused_segment_is_named_by_its_function_under_the_caller_that_ran_it() -> None:
+    """A segment's function is named through a ``functools.partial``, a module by its class;
+    a segment that cannot be re-run is refused in the caller's name."""
+    model = Net("reentrant")
+    # A forward hook makes the walk re-run the segment for real, not on fake tensors.
+    model.block.register_forward_hook(lambda *_: None)
+    loss = checkpoint(model.block, model.embed(IDS), use_reentrant=True).sum()
+    loss.backward()
+    with pytest.raises(
+        BlindSpotError,
+        match=r"^reachable_parameters\(\): cannot re-run the reentrant checkpoint of Linear to "
+        r"see which parameters it uses: its saved arguments are gone",
+    ):
+        reachable_parameters(loss, model)
+
+    calls = []
+
+    def flaky(h: torch.Tensor, scale: float) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) > 1:
+            raise ValueError("only once")
+        return model.block(h) * scale
+
+    segment = functools.partial(functools.partial(flaky, scale=2.0))
+    loss = checkpoint(segment, model.embed(IDS), use_reentrant=True).sum()
+    with pytest.raises(
+        BlindSpotError,
+        match=r"^mine\(\): re-running the reentrant checkpoint of "
+        r"test_a_refused_segment_is_named_by_its_function_under_the_caller_that_ran_it\.<locals>"
+        r"\.flaky, as backward would, failed with ValueError: only once",
+    ):
+        differentiate(loss, [model.block.weight], "mine()")
+
+
+def test_a_segments_arguments_and_outputs_that_take_no_gradient_are_passed_over() -> None:
+    """An integer argument and a tensor that does not require grad go into the segment, and
+    come out of it beside outputs the loss does not use: the gradients are backward's."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 1)})
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def segment(
+        h: torch.Tensor, k: int, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        return model["a"](h) * k, model["b"](h).sum(), k, mask * 2
+
+    a, _, k, doubled = checkpoint(segment, x, 3, torch.ones(2, 3), use_reentrant=True)
+    assert k == 3 and doubled.requires_grad  # the node's output, though the re-run's is not
+    loss = a.pow(2).sum() + doubled.sum()
+    params = [x, *model.parameters()]
+    got = differentiate(loss, params, "test")
+    # b gets backward's zeros from the output the loss does not use: reached, as .grad says
+    assert reachable_parameters(loss, model) == ("a.weight", "a.bias", "b.weight", "b.bias")
+    loss.backward()
+    assert model["b"].weight.grad is not None
+    for g, p in zip(got, params, strict=True):
+        assert g is not None and p.grad is not None
+        torch.testing.assert_close(g, p.grad)
+    assert not model["b"].weight.grad.any()  # the unused output's gradient: zeros, as backward
+
+
+def test_a_parameter_used_in_two_segments_and_outside_gets_the_sum_of_their_gradients() -> None:
+    torch.manual_seed(0)
+    block = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    h = block(checkpoint(block, x, use_reentrant=True))
+    loss = checkpoint(lambda t: torch.tanh(block(t)), h, use_reentrant=True).pow(2).sum()
+    got = differentiate(loss, [block.weight, block.bias, x], "test")
+    loss.backward()
+    for g, p in zip(got, [block.weight, block.bias, x], strict=True):
+        assert g is not None and p.grad is not None
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_a_segment_whose_re_run_needs_no_gradient_gives_none() -> None:
+    """The forward marks a reentrant segment's output as requiring grad whenever an argument
+    does; its re-run may not (a frozen layer over a detached argument): nothing inside it gets
+    a gradient (backward itself refuses such a segment)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"frozen": nn.Linear(3, 3).requires_grad_(False), "head": nn.Linear(3, 1)}
+    )
+    x = torch.randn(2, 3, requires_grad=True)
+    out = checkpoint(lambda t: model["frozen"](t.detach()), x, use_reentrant=True)
+    assert out.requires_grad
+    loss = out.sum() + model["head"](x).sum()
+    got = differentiate(loss, [x, *model["head"].parameters()], "test")
+    assert got[0] is not None and got[1] is not None and got[2] is not None
+    torch.testing.assert_close(got[0], model["head"].weight.detach().expand(2, 3))
+    torch.testing.assert_close(got[1], x.detach().sum(0, keepdim=True))
+    torch.testing.assert_close(got[2], torch.tensor([2.0]))
+
+
+def test_the_search_for_segments_looks_at_each_node_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of ten diamonds doubles the routes to the segment; the search is linear in nodes."""
+    import isolate._checkpointing as checkpointing
+
+    looked: list[object] = []
+    is_reentrant = checkpointing.is_reentrant
+
+    def counted(node: object) -> bool:
+        looked.append(node)
+        return is_reentrant(node)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpointing, "is_reentrant", counted)
+    block = nn.Linear(3, 3)
+    h = checkpoint(block, torch.randn(2, 3, requires_grad=True), use_reentrant=True)
+    for _ in range(10):
+        h = h + h.sin()
+    kept = keep_arguments([h.sum()])
+    assert [type(node).__name__ for node in kept] == ["CheckpointFunctionBackward"]
+    assert len(looked) == len(set(looked)) == 1 + 2 * 10 + 2  # sum, the diamonds, segment, leaf
