@@ -263,6 +263,20 @@ TESTS: dict[str, list[str]] = {
         "tests/peft/test_report.py",
         "tests/transformers/test_example.py",
     ],
+    # The Trainer adapter's checks and method wrappers: the callback's tests call each of them
+    # (the resume tests only for a checkpoint's saved state: one resumed run and the refusals).
+    "isolate/transformers/trainer.py": [
+        "tests/transformers/test_callback.py",
+        "tests/transformers/test_resume.py::test_a_resumed_run_equals_the_uninterrupted_one[thawed-before-the-checkpoint]",
+        "tests/transformers/test_resume.py::test_a_resume_under_another_spec_is_refused",
+        "tests/transformers/test_resume.py::test_a_resume_from_a_checkpoint_without_the_callback_is_refused",
+    ],
+    # The callback's events under a real Trainer, and its state in resumed runs (every resume
+    # case: epoch, step and monitor thaws; the checkpointing and example files add nothing).
+    "isolate/transformers/callback.py": [
+        "tests/transformers/test_callback.py",
+        "tests/transformers/test_resume.py",
+    ],
     # Every handle wraps its plan's branches; the callbacks and leaving isolate unwrap them.
     "isolate/spec/branches.py": [
         "tests/spec",

@@ -83,7 +83,8 @@ def check_evaluation(trainer: Trainer, spec: IsolationSpec, caller: str) -> None
         SpecError: a thaw watches a metric and ``eval_strategy="no"``.
     """
     watching = {str(t.name): str(t.monitor) for t in spec.thaw if t.monitor is not None}
-    if watching and str(getattr(trainer.args.eval_strategy, "value", "no")) == "no":
+    strategy = trainer.args.eval_strategy  # an IntervalStrategy, or a string set after init
+    if watching and str(getattr(strategy, "value", strategy)) == "no":
         raise SpecError(
             f"{caller}: thaw groups {sorted(watching)} wait for "
             f"{sorted(set(watching.values()))} to stop improving, but this Trainer never "

@@ -300,3 +300,19 @@ def test_global_norm_clipping_across_a_detached_branch_is_warned(tmp_path: Path)
         IsolationTrainerCallback(t, IsolationSpec(detach=["b"]))
         # No branch detached: clipping by the global norm mixes nothing in.
         IsolationTrainerCallback(trainer(tmp_path, Net(), steps=1), IsolationSpec(freeze=["a"]))
+
+
+def test_the_callback_shows_as_its_spec_under_its_own_name_once(tmp_path: Path) -> None:
+    """Only the spec's own name is replaced, not a selector that happens to spell it."""
+    callback = IsolationTrainerCallback(
+        trainer(tmp_path, Net()), IsolationSpec(freeze=["IsolationSpec"])
+    )
+    assert repr(callback) == "IsolationTrainerCallback(freeze=['IsolationSpec'])"
+
+
+def test_an_evaluation_outside_train_leaves_a_monitor_thaw_alone(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), evaluate=True)
+    thaw = Thaw("a", monitor="eval_loss")
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
+    assert "eval_loss" in t.evaluate()  # no handle yet: nothing to observe
+    assert callback.handle is None and callback._evaluations == 0
