@@ -407,7 +407,9 @@ def select_names(
     grammar of :data:`Selector` (exact names, dotted prefixes, globs where ``*`` crosses dots,
     ``!`` exclusions) over a list such as a checkpoint's keys.
 
-    A ``type:`` selector needs the modules' classes, which names do not tell, and is refused.
+    No selector picks no name (where :func:`select` takes the whole model): an empty list
+    of buffers, of keys to ignore or to freeze declares none. A ``type:`` selector needs the
+    modules' classes, which names do not tell, and is refused.
     With ``each_must_match`` a selector that picks nothing, or an exclusion that takes
     nothing out, is an error naming the closest names; without it, it picks nothing.
 
@@ -421,6 +423,8 @@ def select_names(
     ...
     isolate.errors.SelectorError: doc: 'trunc' matched none of the keys of base.pt; closest: ...
     """
+    if not selectors:
+        return []
     for selector in selectors:
         if not isinstance(selector, str) or not selector:
             raise SelectorError(

@@ -160,7 +160,7 @@ def certify(
         first, second = readers
         names = list({**first.metas, **second.metas})
         where = f"the keys of {first.path.name} and {second.path.name}"
-        ignored = frozenset(select_names(names, ignore, CALLER, where=where) if ignore else ())
+        ignored = frozenset(select_names(names, ignore, CALLER, where=where))
         claims = _claims(first, parsed_spec, config, lora, rows, buffers)
         declared = with_ties(ties, first.metas, where=first.path.name)
         _check_pairs(first, second, ignored)

@@ -132,17 +132,12 @@ def spec_claims(
     """One claim per key of ``metas`` from the spec's ``freeze``, ``thaw`` and ``bn``."""
     names = list(metas)
     what = f"the keys of {where}"
-    frozen = set(select_names(names, spec.freeze, CALLER, where=what)) if spec.freeze else set()
+    frozen = set(select_names(names, spec.freeze, CALLER, where=what))
     thawed: dict[str, str] = {}
     for step in spec.thaw:
         for key in select_names(names, step.selectors, CALLER, where=what):
             thawed.setdefault(key, f"thawed by the spec ({step.name} at {step.when})")
-    # No globs declare no buffer (select_names picks every name for an empty list).
-    declared = (
-        set(select_names(names, buffers, CALLER, where=what, each_must_match=False))
-        if buffers
-        else set()
-    )
+    declared = set(select_names(names, buffers, CALLER, where=what, each_must_match=False))
     held = _held_modules(metas, declared, frozen)
     claims: dict[str, Claim] = {}
     for key, meta in metas.items():

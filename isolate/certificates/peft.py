@@ -179,8 +179,7 @@ def adapter_claims(
 ) -> dict[str, Claim]:
     """One claim per key of the base ``metas`` for a model merged from this adapter."""
     names = list(metas)
-    # no glob declares no buffer (select_names picks every name for no selector)
-    declared = set(select_names(names, buffers, CALLER, each_must_match=False) if buffers else ())
+    declared = set(select_names(names, buffers, CALLER, each_must_match=False))
     claims = {
         k: Claim(
             "held"

@@ -337,6 +337,7 @@ TRUNK = KEYS[:3]
 def test_names_are_picked_by_prefix_glob_and_exclusion_without_a_model() -> None:
     assert select_names(KEYS, ["trunk", "*.bias"], "doc") == [*TRUNK, "head.bias"]
     assert select_names(KEYS, ["!head"], "doc") == TRUNK  # exclusions alone: from every name
+    assert select_names(KEYS, [], "doc") == []  # no selector: no name (no buffer, no key ignored)
     assert select_names(KEYS, ["trunk", "!*.bias"], "doc") == [KEYS[0], KEYS[2]]
     # Exclusions are each checked against what is picked, in any order, as select does:
     # a redundant one (inside another) is no error.
