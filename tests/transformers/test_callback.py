@@ -316,3 +316,60 @@ def test_an_evaluation_outside_train_leaves_a_monitor_thaw_alone(tmp_path: Path)
     callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
     assert "eval_loss" in t.evaluate()  # no handle yet: nothing to observe
     assert callback.handle is None and callback._evaluations == 0
+
+
+def test_a_monitor_thaw_with_no_evaluation_in_train_is_warned(tmp_path: Path) -> None:
+    """eval_delay past the last step: a stock Trainer that evaluates nothing in train()."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=2, evaluate=True, eval_delay=10)
+    thaw = Thaw("a", monitor="eval_loss", lr=0.5)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
+    with pytest.warns(IsolationWarning) as caught:
+        t.train()
+    said = [str(w.message) for w in caught if issubclass(w.category, IsolationWarning)]
+    assert said == [
+        "IsolationTrainerCallback: thaw group 'a' waited for 'eval_loss' to stop improving, "
+        "but no evaluation ran during this train(), so it never thawed; evaluate more often "
+        "(eval_steps) or give it epoch= or step="
+    ]
+    assert callback.handle is None and model.a.weight.requires_grad
+
+
+def test_a_monitor_thaw_that_saw_evaluations_but_never_thawed_is_not_warned(
+    tmp_path: Path,
+) -> None:
+    t = trainer(tmp_path, Net(), steps=2, evaluate=True)
+    thaw = Thaw("a", monitor="eval_loss", patience=100, lr=0.5)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IsolationWarning)
+        t.train()
+    assert callback._evaluations == 2 and callback.handle is None
+
+
+def test_each_refusal_of_the_constructor_names_the_callback_and_the_fix(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), steps=1)
+    spec = IsolationSpec(freeze=["a"])
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationTrainerCallback: spec must be an isolate\.IsolationSpec, got dict; "
+        r"for a mapping use IsolationSpec\.from_dict",
+    ):
+        IsolationTrainerCallback(t, {"freeze": ["a"]})  # type: ignore[arg-type]
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationTrainerCallback: drift must be 'fingerprint' or 'copy', got 'x'$",
+    ):
+        IsolationTrainerCallback(t, spec, drift="x")  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"^IsolationTrainerCallback: verify_every_n_steps"):
+        IsolationTrainerCallback(t, spec, verify_every_n_steps=-1)
+    with pytest.raises(SpecError, match=r"^IsolationTrainerCallback: .*never evaluates"):
+        IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[Thaw("a", monitor="m")]))
+    callback = IsolationTrainerCallback(t, spec, drift="copy")
+    assert callback.drift == "copy"
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationTrainerCallback: the Trainer has an IsolationTrainerCallback already; "
+        r"give one spec per Trainer \(its checkpoint state has a fixed key\)$",
+    ):
+        IsolationTrainerCallback(t, spec)
