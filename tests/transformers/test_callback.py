@@ -25,6 +25,7 @@ from isolate.errors import (
     SpecError,
     UnsupportedStrategyError,
 )
+from isolate.spec.checks import Tally
 from isolate.transformers import IsolationTrainerCallback
 from isolate.transformers.trainer import torch_optimizer
 from tests.transformers._models import Data, Net, arguments, trainer
@@ -373,3 +374,49 @@ def test_each_refusal_of_the_constructor_names_the_callback_and_the_fix(tmp_path
         r"give one spec per Trainer \(its checkpoint state has a fixed key\)$",
     ):
         IsolationTrainerCallback(t, spec)
+
+
+def test_train_begin_without_the_spec_applied_or_attached_is_refused(tmp_path: Path) -> None:
+    """This transformers' loop always calls create_optimizer and create_scheduler; a loop
+    that skips them (another version, an overridden training loop) meets these refusals."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=1)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]))
+    with pytest.raises(SpecError) as error:
+        callback.on_train_begin(t.args, t.state, t.control)
+    assert str(error.value) == (
+        "IsolationTrainerCallback: the spec is not applied: this train() never called "
+        "Trainer.create_optimizer and create_scheduler, where it is applied and attached; keep "
+        "them in the training path (override, do not bypass them)"
+    )
+    callback._before_optimizer()  # applied, never attached
+    with pytest.raises(SpecError) as error:
+        callback.on_train_begin(t.args, t.state, t.control)
+    assert str(error.value) == (
+        "IsolationTrainerCallback: the Trainer built an optimizer but no LR scheduler through "
+        "create_scheduler, so the optimizer was never attached; keep create_scheduler in the "
+        "training path"
+    )
+    callback._restore()
+    assert callback.handle is None and model.a.weight.requires_grad
+
+
+def test_the_defaults_check_every_50_steps_and_start_with_an_empty_tally(tmp_path: Path) -> None:
+    callback = IsolationTrainerCallback(trainer(tmp_path, Net()), IsolationSpec(freeze=["a"]))
+    assert callback.cadence.every == 50 and callback.drift == "fingerprint"
+    assert callback.tally == Tally()
+
+
+def test_a_second_train_applies_attaches_and_thaws_as_the_first(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=3)
+    spec = IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, step=1)])
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=1)
+    runs = []
+    for _ in range(2):
+        record = Record(model)
+        t.add_callback(record)
+        t.train()
+        t.remove_callback(record)
+        runs.append([(s["trainable"], s["groups"]) for s in record.steps])
+    assert runs[0] == runs[1] == [(False, [1, 1]), (True, [1, 1, 2]), (True, [1, 1, 2])]
