@@ -420,3 +420,28 @@ def test_a_second_train_applies_attaches_and_thaws_as_the_first(tmp_path: Path) 
         t.remove_callback(record)
         runs.append([(s["trainable"], s["groups"]) for s in record.steps])
     assert runs[0] == runs[1] == [(False, [1, 1]), (True, [1, 1, 2]), (True, [1, 1, 2])]
+
+
+def test_an_epoch_thaw_of_a_layer_no_loss_reaches_raises_at_its_first_step(
+    tmp_path: Path,
+) -> None:
+    """With no periodic check, reach is checked on a thaw's first step: epoch 1's step 4."""
+    model = Net(unused=True)
+    t = trainer(tmp_path, model, steps=6)
+    spec = IsolationSpec(freeze=["c"], thaw=[Thaw("c", lr=0.5, epoch=1)])
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=0, expected_unused=[])
+    with pytest.raises(CutOffError, match=r"  c\.weight, c\.bias: no path from any loss") as error:
+        t.train()
+    assert "step 4" in str(error.value)
+
+
+def test_an_epoch_2_thaw_waits_for_the_third_epoch(tmp_path: Path) -> None:
+    """4 steps an epoch: epoch 2 begins at step 8."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=10)
+    spec = IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, epoch=2)])
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=0)
+    record = Record(model)
+    t.add_callback(record)
+    t.train()
+    assert [s["trainable"] for s in record.steps] == [False] * 8 + [True] * 2
