@@ -445,3 +445,25 @@ def test_an_epoch_2_thaw_waits_for_the_third_epoch(tmp_path: Path) -> None:
     t.add_callback(record)
     t.train()
     assert [s["trainable"] for s in record.steps] == [False] * 8 + [True] * 2
+
+
+def test_with_on_violation_warn_a_drift_is_warned_and_training_goes_on(tmp_path: Path) -> None:
+    """The handle warns through the user's channel and watches by ``drift="copy"``."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=4)
+    callback = IsolationTrainerCallback(
+        t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1, on_violation="warn", drift="copy"
+    )
+    seen: list[str] = []
+
+    class Watch(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            assert callback.handle is not None
+            seen.append(callback.handle.drift)
+
+    t.add_callback(Watch())
+    t.add_callback(Tamper(model, at=2))
+    with pytest.warns(IsolationWarning, match=r"'a\.weight'") as caught:
+        t.train()
+    assert seen == ["copy"] and t.state.global_step == 4
+    assert any("at step 2" in str(w.message) for w in caught)
