@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -467,3 +468,24 @@ def test_with_on_violation_warn_a_drift_is_warned_and_training_goes_on(tmp_path:
         t.train()
     assert seen == ["copy"] and t.state.global_step == 4
     assert any("at step 2" in str(w.message) for w in caught)
+
+
+def test_each_thaw_and_each_monitor_due_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = trainer(tmp_path, Net(), steps=4, evaluate=True)
+    spec = IsolationSpec(
+        freeze=["a"],
+        thaw=[
+            Thaw("a.weight", lr=0.5, step=1),
+            Thaw("a.bias", monitor="eval_loss", mode="max", patience=1, lr=0.5),
+        ],
+    )
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=0)
+    with caplog.at_level(logging.INFO, logger="isolate.transformers.callback"):
+        t.train()
+    said = [r.getMessage() for r in caplog.records if r.name == "isolate.transformers.callback"]
+    assert said[:2] == [
+        "IsolationTrainerCallback: thawed 'a.weight' (1 parameters) at epoch 0, step 1",
+        "IsolationTrainerCallback: 'a.bias' is due: its metric stopped improving",
+    ]
