@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from isolate.errors import (
     SpecError,
     UnsupportedStrategyError,
 )
+from isolate.spec.checks import Tally
 from isolate.transformers import IsolationTrainerCallback
 from isolate.transformers.trainer import torch_optimizer
 from tests.transformers._models import Data, Net, arguments, trainer
@@ -316,3 +318,174 @@ def test_an_evaluation_outside_train_leaves_a_monitor_thaw_alone(tmp_path: Path)
     callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
     assert "eval_loss" in t.evaluate()  # no handle yet: nothing to observe
     assert callback.handle is None and callback._evaluations == 0
+
+
+def test_a_monitor_thaw_with_no_evaluation_in_train_is_warned(tmp_path: Path) -> None:
+    """eval_delay past the last step: a stock Trainer that evaluates nothing in train()."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=2, evaluate=True, eval_delay=10)
+    thaw = Thaw("a", monitor="eval_loss", lr=0.5)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
+    with pytest.warns(IsolationWarning) as caught:
+        t.train()
+    said = [str(w.message) for w in caught if issubclass(w.category, IsolationWarning)]
+    assert said == [
+        "IsolationTrainerCallback: thaw group 'a' waited for 'eval_loss' to stop improving, "
+        "but no evaluation ran during this train(), so it never thawed; evaluate more often "
+        "(eval_steps) or give it epoch= or step="
+    ]
+    assert callback.handle is None and model.a.weight.requires_grad
+
+
+def test_a_monitor_thaw_that_saw_evaluations_but_never_thawed_is_not_warned(
+    tmp_path: Path,
+) -> None:
+    t = trainer(tmp_path, Net(), steps=2, evaluate=True)
+    thaw = Thaw("a", monitor="eval_loss", patience=100, lr=0.5)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[thaw]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IsolationWarning)
+        t.train()
+    assert callback._evaluations == 2 and callback.handle is None
+
+
+def test_each_refusal_of_the_constructor_names_the_callback_and_the_fix(tmp_path: Path) -> None:
+    t = trainer(tmp_path, Net(), steps=1)
+    spec = IsolationSpec(freeze=["a"])
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationTrainerCallback: spec must be an isolate\.IsolationSpec, got dict; "
+        r"for a mapping use IsolationSpec\.from_dict",
+    ):
+        IsolationTrainerCallback(t, {"freeze": ["a"]})  # type: ignore[arg-type]
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationTrainerCallback: drift must be 'fingerprint' or 'copy', got 'x'$",
+    ):
+        IsolationTrainerCallback(t, spec, drift="x")  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"^IsolationTrainerCallback: verify_every_n_steps"):
+        IsolationTrainerCallback(t, spec, verify_every_n_steps=-1)
+    with pytest.raises(SpecError, match=r"^IsolationTrainerCallback: .*never evaluates"):
+        IsolationTrainerCallback(t, IsolationSpec(freeze=["a"], thaw=[Thaw("a", monitor="m")]))
+    callback = IsolationTrainerCallback(t, spec, drift="copy")
+    assert callback.drift == "copy"
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationTrainerCallback: the Trainer has an IsolationTrainerCallback already; "
+        r"give one spec per Trainer \(its checkpoint state has a fixed key\)$",
+    ):
+        IsolationTrainerCallback(t, spec)
+
+
+def test_train_begin_without_the_spec_applied_or_attached_is_refused(tmp_path: Path) -> None:
+    """This transformers' loop always calls create_optimizer and create_scheduler; a loop
+    that skips them (another version, an overridden training loop) meets these refusals."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=1)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]))
+    with pytest.raises(SpecError) as error:
+        callback.on_train_begin(t.args, t.state, t.control)
+    assert str(error.value) == (
+        "IsolationTrainerCallback: the spec is not applied: this train() never called "
+        "Trainer.create_optimizer and create_scheduler, where it is applied and attached; keep "
+        "them in the training path (override, do not bypass them)"
+    )
+    callback._before_optimizer()  # applied, never attached
+    with pytest.raises(SpecError) as error:
+        callback.on_train_begin(t.args, t.state, t.control)
+    assert str(error.value) == (
+        "IsolationTrainerCallback: the Trainer built an optimizer but no LR scheduler through "
+        "create_scheduler, so the optimizer was never attached; keep create_scheduler in the "
+        "training path"
+    )
+    callback._restore()
+    assert callback.handle is None and model.a.weight.requires_grad
+
+
+def test_the_defaults_check_every_50_steps_and_start_with_an_empty_tally(tmp_path: Path) -> None:
+    callback = IsolationTrainerCallback(trainer(tmp_path, Net()), IsolationSpec(freeze=["a"]))
+    assert callback.cadence.every == 50 and callback.drift == "fingerprint"
+    assert callback.tally == Tally()
+
+
+def test_a_second_train_applies_attaches_and_thaws_as_the_first(tmp_path: Path) -> None:
+    model = Net()
+    t = trainer(tmp_path, model, steps=3)
+    spec = IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, step=1)])
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=1)
+    runs = []
+    for _ in range(2):
+        record = Record(model)
+        t.add_callback(record)
+        t.train()
+        t.remove_callback(record)
+        runs.append([(s["trainable"], s["groups"]) for s in record.steps])
+    assert runs[0] == runs[1] == [(False, [1, 1]), (True, [1, 1, 2]), (True, [1, 1, 2])]
+
+
+def test_an_epoch_thaw_of_a_layer_no_loss_reaches_raises_at_its_first_step(
+    tmp_path: Path,
+) -> None:
+    """With no periodic check, reach is checked on a thaw's first step: epoch 1's step 4."""
+    model = Net(unused=True)
+    t = trainer(tmp_path, model, steps=6)
+    spec = IsolationSpec(freeze=["c"], thaw=[Thaw("c", lr=0.5, epoch=1)])
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=0, expected_unused=[])
+    with pytest.raises(CutOffError, match=r"  c\.weight, c\.bias: no path from any loss") as error:
+        t.train()
+    assert "step 4" in str(error.value)
+
+
+def test_an_epoch_2_thaw_waits_for_the_third_epoch(tmp_path: Path) -> None:
+    """4 steps an epoch: epoch 2 begins at step 8."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=10)
+    spec = IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, epoch=2)])
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=0)
+    record = Record(model)
+    t.add_callback(record)
+    t.train()
+    assert [s["trainable"] for s in record.steps] == [False] * 8 + [True] * 2
+
+
+def test_with_on_violation_warn_a_drift_is_warned_and_training_goes_on(tmp_path: Path) -> None:
+    """The handle warns through the user's channel and watches by ``drift="copy"``."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=4)
+    callback = IsolationTrainerCallback(
+        t, IsolationSpec(freeze=["a"]), verify_every_n_steps=1, on_violation="warn", drift="copy"
+    )
+    seen: list[str] = []
+
+    class Watch(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            assert callback.handle is not None
+            seen.append(callback.handle.drift)
+
+    t.add_callback(Watch())
+    t.add_callback(Tamper(model, at=2))
+    with pytest.warns(IsolationWarning, match=r"'a\.weight'") as caught:
+        t.train()
+    assert seen == ["copy"] and t.state.global_step == 4
+    assert any("at step 2" in str(w.message) for w in caught)
+
+
+def test_each_thaw_and_each_monitor_due_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = trainer(tmp_path, Net(), steps=4, evaluate=True)
+    spec = IsolationSpec(
+        freeze=["a"],
+        thaw=[
+            Thaw("a.weight", lr=0.5, step=1),
+            Thaw("a.bias", monitor="eval_loss", mode="max", patience=1, lr=0.5),
+        ],
+    )
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=0)
+    with caplog.at_level(logging.INFO, logger="isolate.transformers.callback"):
+        t.train()
+    said = [r.getMessage() for r in caplog.records if r.name == "isolate.transformers.callback"]
+    assert said[:2] == [
+        "IsolationTrainerCallback: thawed 'a.weight' (1 parameters) at epoch 0, step 1",
+        "IsolationTrainerCallback: 'a.bias' is due: its metric stopped improving",
+    ]
