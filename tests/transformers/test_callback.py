@@ -489,3 +489,27 @@ def test_each_thaw_and_each_monitor_due_is_logged(
         "IsolationTrainerCallback: thawed 'a.weight' (1 parameters) at epoch 0, step 1",
         "IsolationTrainerCallback: 'a.bias' is due: its metric stopped improving",
     ]
+
+
+def test_applying_with_no_model_or_with_contracts_that_read_named_losses_is_refused(
+    tmp_path: Path,
+) -> None:
+    model = Net()
+    callback = IsolationTrainerCallback(trainer(tmp_path, model, steps=1), IsolationSpec())
+    with pytest.raises(SpecError) as error:
+        callback._apply(None)
+    assert str(error.value) == (
+        "IsolationTrainerCallback: the Trainer has no model to apply the spec to"
+    )
+    spec = IsolationSpec(
+        freeze=["a"], contracts=[{"kind": "probe", "select": "a", "loss": "probe"}]
+    )
+    callback = IsolationTrainerCallback(trainer(tmp_path, model, steps=1), spec)
+    with pytest.raises(SpecError) as error:
+        callback._apply(model)
+    assert str(error.value) == (
+        "IsolationTrainerCallback: the contracts read the losses ['probe'], but Trainer's "
+        "compute_loss returns one loss; check these contracts in a loop that names its losses "
+        "(isolate.lightning.IsolationCallback, handle.loop)"
+    )
+    assert callback.handle is None and model.a.weight.requires_grad  # the spec undone
