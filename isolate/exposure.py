@@ -129,7 +129,8 @@ def unwrap_optimizer(optimizer: object, caller: str) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise IsolationTypeError(
             f"{caller}: optimizer must be a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}; pass the optimizer itself (trainer.optimizers[0])"
+            f"{type(optimizer).__name__}; pass the torch optimizer itself, or a wrapper that "
+            f"holds it in .optimizer"
         )
     return optimizer
 

@@ -344,6 +344,15 @@ class OptimizerLink:
         placements: Mapping[str, Placement],
         schedulers: Sequence[Any],
     ) -> None:
+        for i, scheduler in enumerate(schedulers if plan.groups else ()):
+            if not any(lr_schedulers.of(o, [scheduler]) for o in optimizers):
+                raise SpecError(
+                    f"{self.caller}.attach(): schedulers[{i}] is {scheduler!r}, which drives "
+                    f"none of the attached optimizers "
+                    f"{[type(o).__name__ for o in optimizers]}, so a thawed group would never "
+                    f"join its schedule; pass each LR scheduler itself (a Lightning config's "
+                    f"'scheduler', not the config), built on an optimizer given to attach()"
+                )
         for g in plan.groups:  # refuse before anything changes, not at the thaw
             where = f"{self.caller}: thaw group {g.name!r}"
             for scheduler in lr_schedulers.of(

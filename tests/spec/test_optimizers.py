@@ -159,6 +159,48 @@ def test_a_second_attach_with_other_optimizers_names_both_by_type() -> None:
         handle.restore()
 
 
+@pytest.mark.parametrize("kind", ["config", "none", "stale"])
+def test_a_scheduler_that_drives_none_of_the_optimizers_is_refused_changing_nothing(
+    kind: str,
+) -> None:
+    """A Lightning-style config dict, ``None``, or a scheduler left on an optimizer since
+    rebuilt would never schedule a thawed group (a LambdaLR then breaks at its next step)."""
+    model = Net()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    old = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.head.parameters()), abs)
+    given = {"config": {"scheduler": sched}, "none": None, "stale": old}[kind]
+    spec = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1, lr=0.5)])
+    handle = spec.apply(model)
+    try:
+        with pytest.raises(SpecError) as error:
+            handle.attach(opt, [sched, given])
+        assert str(error.value) == (
+            f"IsolationSpec.attach(): schedulers[1] is {given!r}, which drives none of the "
+            f"attached optimizers ['SGD'], so a thawed group would never join its schedule; "
+            f"pass each LR scheduler itself (a Lightning config's 'scheduler', not the "
+            f"config), built on an optimizer given to attach()"
+        )
+        handle.attach(opt, [sched])  # nothing was attached: this is the first attach
+        with pytest.raises(SpecError, match=r"^IsolationSpec\.attach\(\): schedulers\[0\] is"):
+            handle.attach(opt, [given])  # a second attach checks the new ones too
+        assert handle.step(epoch=1, step=1) == ["trunk.3"]
+        assert sched.base_lrs == [0.1, 0.5] and [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+    finally:
+        handle.restore()
+
+
+def test_without_a_thaw_group_schedulers_are_not_read() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    handle = IsolationSpec(freeze=["trunk"]).apply(model)
+    try:
+        handle.attach(opt, [None])  # nothing would ever join a schedule
+        assert groups_of(opt) == [[id(model.head.weight), id(model.head.bias)]]
+    finally:
+        handle.restore()
+
+
 def test_a_second_attach_adds_only_the_schedulers_it_did_not_have_and_each_extends_once() -> None:
     model = Net()
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerState
 
 from isolate import IsolationSpec, Thaw
 from isolate.errors import (
@@ -513,3 +513,70 @@ def test_applying_with_no_model_or_with_contracts_that_read_named_losses_is_refu
         "(isolate.lightning.IsolationCallback, handle.loop)"
     )
     assert callback.handle is None and model.a.weight.requires_grad  # the spec undone
+
+
+class Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
+    """:class:`Data` as a stream of no length: 4 batches a pass."""
+
+    def __iter__(self) -> Any:
+        data = Data()
+        return (data[i] for i in range(len(data)))
+
+
+class Epochs(TrainerCallback):
+    """``state.epoch`` at each epoch's start."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.starts.append(state.epoch)
+
+
+def test_an_epoch_thaw_over_a_stream_counts_the_trainers_passes(tmp_path: Path) -> None:
+    """With no length, the Trainer takes an epoch for ``max_steps`` batches; a 4-batch stream
+    ends each pass early, so ``state.epoch`` is 0.4 when the second pass (epoch 1) begins. The
+    thaw counts the Trainer's passes, not ``int(state.epoch)``."""
+    model = Net()
+    t = Trainer(model=model, args=arguments(tmp_path, steps=10), train_dataset=Stream())
+    spec = IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, epoch=1)])
+    IsolationTrainerCallback(t, spec, verify_every_n_steps=0)
+    record, epochs = Record(model), Epochs()
+    t.add_callback(record)
+    t.add_callback(epochs)
+    t.train()
+    assert epochs.starts == pytest.approx([0, 0.4, 1.4])
+    assert [s["trainable"] for s in record.steps] == [False] * 4 + [True] * 6
+
+
+def test_attach_takes_a_missing_scheduler_as_none_and_names_itself_for_a_foreign_optimizer(
+    tmp_path: Path,
+) -> None:
+    """A stock Trainer always builds a torch optimizer and a scheduler before
+    ``create_scheduler`` returns (its loop steps both); an overridden ``create_scheduler`` may
+    leave none, which is no scheduler, not a scheduler ``None``."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=1)
+    spec = IsolationSpec(freeze=["a"], thaw=[Thaw("a", lr=0.5, step=1)])
+    callback = IsolationTrainerCallback(t, spec)
+    t.state = TrainerState(stateful_callbacks=[callback])  # a fresh run's: no saved state
+    try:
+        callback._before_optimizer()
+        t.create_optimizer()
+        held = t.optimizer
+        t.optimizer = object()
+        with pytest.raises(IsolationTypeError) as error:
+            callback._attach(t)
+        assert str(error.value) == (
+            "IsolationTrainerCallback: optimizer must be a torch.optim.Optimizer, got object; "
+            "pass the torch optimizer itself, or a wrapper that holds it in .optimizer"
+        )
+        t.optimizer = held
+        assert t.lr_scheduler is None
+        callback._attach(t)
+        assert callback._attached
+        assert callback._handle().step(epoch=0, step=1) == ["a"]
+        assert [len(g["params"]) for g in held.param_groups] == [1, 1, 2]
+    finally:
+        callback._restore()
+    assert model.a.weight.requires_grad

@@ -231,8 +231,8 @@ def test_a_trainer_without_optimizer_is_refused_word_for_word(tmp_path: Path) ->
     with pytest.raises(IsolationTypeError) as e:
         torch_optimizer(t, "caller")
     assert str(e.value) == (
-        "caller: optimizer must be a torch.optim.Optimizer, got object; pass the optimizer "
-        "itself (trainer.optimizers[0])"
+        "caller: optimizer must be a torch.optim.Optimizer, got object; pass the torch "
+        "optimizer itself, or a wrapper that holds it in .optimizer"
     )
 
 
