@@ -192,8 +192,9 @@ class IsolationHandle:
 
         Raises:
             SpecError: as :meth:`IsolationSpec.apply`, held BatchNorm layers were replaced
-                since (``sync_batchnorm``), which would drop the eval-mode hold, or other
-                optimizers are attached already.
+                since (``sync_batchnorm``), which would drop the eval-mode hold, other
+                optimizers are attached already, or (with thaw groups) a scheduler drives
+                none of the optimizers (a config dict, ``None``, one built on another).
             ReplacedParameterError: a parameter the spec applies to was replaced since it was
                 applied (a ``configure_model`` that builds layers again, a conversion).
         """
