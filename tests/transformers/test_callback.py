@@ -580,3 +580,14 @@ def test_attach_takes_a_missing_scheduler_as_none_and_names_itself_for_a_foreign
     finally:
         callback._restore()
     assert model.a.weight.requires_grad
+
+
+def test_a_scheduler_built_before_the_spec_is_applied_attaches_nothing(tmp_path: Path) -> None:
+    """``create_scheduler`` before ``create_optimizer`` (an overridden loop) finds no handle:
+    nothing to attach yet, and ``on_train_begin`` then names what was never attached."""
+    model = Net()
+    t = trainer(tmp_path, model, steps=1)
+    callback = IsolationTrainerCallback(t, IsolationSpec(freeze=["a"]))
+    callback._after_scheduler()
+    assert callback.handle is None and not callback._attached
+    assert model.a.weight.requires_grad
