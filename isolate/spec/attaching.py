@@ -17,7 +17,7 @@ from isolate._text import shown
 from isolate.errors import CheckpointMismatchError
 from isolate.spec.cadence import StepGuard
 from isolate.spec.identity import require_held
-from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
+from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers, as_schedulers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
 from isolate.spec.thawing import Thaws
@@ -48,12 +48,13 @@ class Attachment:
         """Take frozen parameters out of ``optimizers`` and plan where thawed groups go (see
         :meth:`IsolationHandle.attach <isolate.spec.handle.IsolationHandle.attach>`)."""
         opts = as_optimizers(optimizers, f"{self.caller}.attach()")
+        scheds = as_schedulers(schedulers, f"{self.caller}.attach()")
         self.plan.check_norms_present(self.caller)
         require_held(self.plan, self.thaws.frozen_parameters(), opts, "at attach", self.caller)
         self.link.attach(
             self.plan,
             opts,
-            schedulers,
+            scheds,
             dict(self.thaws.applied),
             self.thaws.frozen_parameters(),
             warn=not built_before_apply,

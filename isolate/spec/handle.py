@@ -172,7 +172,7 @@ class IsolationHandle:
     def attach(
         self,
         optimizers: Optimizers,
-        schedulers: Sequence[Any] = (),
+        schedulers: Any = (),
         *,
         built_before_apply: bool = False,
     ) -> None:
@@ -185,7 +185,8 @@ class IsolationHandle:
         unless ``built_before_apply``: the optimizers were built before the spec froze
         anything (as under Lightning's ``ModelParallelStrategy``) and cannot help holding them.
 
-        Attach once, with every optimizer and its schedulers (``apply(model, optimizer)``
+        ``optimizers`` and ``schedulers`` are each one object or a list of them. Attach once,
+        with every optimizer and its schedulers (``apply(model, optimizer)``
         attaches). Attaching the same optimizers again only adds new schedulers; other
         optimizers are refused. While thaws are pending, an ``optimizer.step()`` before the
         first :meth:`step` raises: the schedule would never run.
@@ -195,6 +196,8 @@ class IsolationHandle:
                 since (``sync_batchnorm``), which would drop the eval-mode hold, other
                 optimizers are attached already, or (with thaw groups) a scheduler drives
                 none of the optimizers (a config dict, ``None``, one built on another).
+            IsolationTypeError: an optimizer is not one, or ``schedulers`` is neither a
+                scheduler nor a list.
             ReplacedParameterError: a parameter the spec applies to was replaced since it was
                 applied (a ``configure_model`` that builds layers again, a conversion).
         """

@@ -190,6 +190,27 @@ def test_a_scheduler_that_drives_none_of_the_optimizers_is_refused_changing_noth
         handle.restore()
 
 
+def test_a_lone_scheduler_is_one_and_a_lone_config_is_refused_changing_nothing() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    spec = IsolationSpec(freeze=["trunk"], thaw=[Thaw("trunk.3", epoch=1, lr=0.5)])
+    handle = spec.apply(model)
+    try:
+        with pytest.raises(IsolationTypeError) as error:
+            handle.attach(opt, {"scheduler": sched, "interval": "step"})
+        assert str(error.value) == (
+            "IsolationSpec.attach(): schedulers must be an LR scheduler or a list of them, got "
+            "dict; pass each scheduler itself (a Lightning config's 'scheduler', not the config)"
+        )
+        assert groups_of(opt) == [[id(model.head.weight), id(model.head.bias)]]
+        handle.attach(opt, sched)
+        assert handle.step(epoch=1, step=1) == ["trunk.3"]
+        assert sched.base_lrs == [0.1, 0.5]
+    finally:
+        handle.restore()
+
+
 def test_without_a_thaw_group_schedulers_are_not_read() -> None:
     model = Net()
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
