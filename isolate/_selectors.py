@@ -217,12 +217,16 @@ def _norms_covered(
     names = [s for s in selectors if isinstance(s, str) and not _is_type(s) and not _is_glob(s)]
     globs = [s for s in selectors if _is_glob(s)]
     glob = _glob_match([str(g) for g in globs]) if globs else None
-    norms: dict[str, nn.Module] = {}
-    seen: set[int] = set()
+    # A shared module goes by its first name, as its parameters do, but is covered by a
+    # selector that reaches it under any of its names.
+    first: dict[int, tuple[str, nn.Module]] = {}
+    covered: set[int] = set()
     for name, module in tree.modules:
-        if id(module) in seen or not candidate(module):
+        if not candidate(module):
             continue
-        seen.add(id(module))
+        first.setdefault(id(module), (name, module))
+        if id(module) in covered:
+            continue
         own = [p for p in module._parameters.values() if p is not None]
         base = name + "." if name else ""
         places = [base + b for b in module._buffers] or ([] if own else [name])
@@ -233,8 +237,8 @@ def _norms_covered(
             or any(name == s or name.startswith(s + ".") for s in names)
             or (glob is not None and any(glob(place) for place in places))
         ):
-            norms[name] = module
-    return norms
+            covered.add(id(module))
+    return {name: module for i, (name, module) in first.items() if i in covered}
 
 
 def _covered(

@@ -456,6 +456,41 @@ def test_tied_parameters_go_by_their_first_name_and_match_every_alias() -> None:
     assert all(p.requires_grad for p in model.parameters())
 
 
+class Siamese(nn.Module):
+    """One trunk reached by two names: the BatchNorm and the dropout go by ``left.*``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        trunk = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False), nn.Dropout(0.5))
+        self.left = trunk
+        self.right = trunk
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.right(x))
+
+
+@pytest.mark.parametrize("selector", ["right", "right.*", "left"])
+def test_a_shared_module_is_held_whichever_of_its_names_selects_it(selector: str) -> None:
+    torch.manual_seed(0)
+    model = Siamese()
+    bn = model.right[1]
+    with frozen(model, selector, mode="eval") as handle:
+        assert handle.names == ("left.0.weight", "left.0.bias")
+        assert handle.held == ("left.1", "left.2")
+        assert handle.norms == ("left.1",)
+        assert isolate.freezing.held_in_eval(model) == ("left.1", "left.2")
+        mean = bn.running_mean.clone()
+        x = torch.randn(4, 2)
+        out = model.train()(x)
+        assert torch.equal(bn.running_mean, mean)
+        assert torch.equal(out, model(x))  # the dropout is held too: the forward is fixed
+    with frozen(model, selector) as by_bn:
+        assert by_bn.norms == ("left.1",)
+    assert bn.training and model.right[2].training
+    assert not bn._forward_pre_hooks
+
+
 def test_freeze_names_optimizer_groups_that_could_still_move_frozen_parameters(net: Net) -> None:
     decayed = torch.optim.SGD(
         [
