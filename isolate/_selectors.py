@@ -49,6 +49,10 @@ others pick: a typo is an error, not a silently different selection.
 _GLOB_CHARS = frozenset("*?[")
 _TYPE = "type:"
 _NOT = "!"
+_SELECTOR_KINDS = (
+    "a selector must be a module, a parameter, a name, a glob or a predicate "
+    "fn(name, parameter) -> bool"
+)
 
 
 @dataclass
@@ -188,11 +192,20 @@ def _match_one(
             }
         inside = selector + "."  # a name; globs are matched in select(), all in one pass
         return {i for name, i in pairs if name == selector or name.startswith(inside)}
+    if isinstance(selector, type):
+        # A class is callable, but calling it with (name, parameter) builds an instance.
+        hint = (
+            f". To select every {selector.__name__} module, write 'type:{selector.__name__}'"
+            if issubclass(selector, nn.Module)
+            else ""
+        )
+        raise IsolationTypeError(
+            f"{caller}: {_SELECTOR_KINDS}; got the class {selector.__name__} itself{hint}"
+        )
     if callable(selector):
         return {id(p) for name, p in zip(tree.names, tree.params, strict=True) if selector(name, p)}
     raise IsolationTypeError(
-        f"{caller}: a selector must be a module, a parameter, a name, a glob or a predicate "
-        f"fn(name, parameter) -> bool; got {type(selector).__name__} {selector!r}"
+        f"{caller}: {_SELECTOR_KINDS}; got {type(selector).__name__} {selector!r}"
     )
 
 

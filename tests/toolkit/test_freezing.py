@@ -197,6 +197,19 @@ def test_wrong_types(net: Net) -> None:
         freeze(net, bn="frozen")  # type: ignore[arg-type]
 
 
+def test_a_module_class_as_selector_is_refused_with_the_type_selector_to_write(net: Net) -> None:
+    before = state(net)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^freeze\(\): a selector must be .*; got the class BatchNorm1d itself\. To select "
+        r"every BatchNorm1d module, write 'type:BatchNorm1d'$",
+    ):
+        freeze(net, "head", nn.BatchNorm1d)  # type: ignore[arg-type]
+    assert state(net) == before
+    with pytest.raises(IsolationTypeError, match=r"^is_frozen\(\): .* write 'type:Linear'$"):
+        is_frozen(net, nn.Linear)  # type: ignore[arg-type]
+
+
 def test_is_frozen_names_itself_in_its_errors() -> None:
     with pytest.raises(
         IsolationTypeError, match=r"^is_frozen\(\): model must be a torch\.nn\.Module, got str"
