@@ -200,10 +200,20 @@ class FreezeHandle:
         newer = [h for h in list(_active) if h._seq > self._seq and h._active and h._touches(self)]
         newer = [h for h in newer if all(h is not f for f in first)]
         if newer:
-            names = sorted({n for h in newer for n in h.names if n in self.names})
+            # By identity: each handle names its parameters from its own model's root.
+            ids = set().union(*(h._ids() for h in newer))
+            what = "parameters"
+            names = sorted(n for n, p in zip(self.names, self._params, strict=True) if id(p) in ids)
+            if not names:  # only layers held in a mode (a BatchNorm without affine)
+                what = "layers"
+                names = sorted(
+                    n or self._model_name
+                    for n, (m, _) in zip(self.held, self._modules, strict=True)
+                    if id(m) in ids
+                )
             raise RestoreError(
                 f"{self._caller}: restored out of order: {len(newer)} newer handle(s) still "
-                f"hold parameters this one set ({names[:5]}...); restore the newest first, "
+                f"hold {what} this one set ({names[:5]}...); restore the newest first, "
                 f"or use the context managers frozen()/unfrozen(), which nest correctly"
             )
 

@@ -805,6 +805,38 @@ def test_a_restore_out_of_order_names_the_first_five_parameters_held_by_newer_ha
     outer.restore()
 
 
+def test_a_restore_out_of_order_names_what_the_newer_handle_holds_not_names_it_shares(
+    net: Net,
+) -> None:
+    """The handles name parameters from different roots: the wrapper's 'weight' is the
+    model's 'head.weight', and the model's 'trunk.0.weight' is not the wrapper's."""
+    holder = nn.Module()
+    holder.trunk = nn.Sequential(nn.Linear(8, 8))
+    holder.weight = net.head.weight
+    wrapper = Frozen(holder)
+    newer = freeze(net, "head.weight", "trunk.0.weight")
+    with pytest.raises(RestoreError) as info:
+        wrapper.unwrap()
+    assert str(info.value).startswith(
+        "Frozen(): restored out of order: 1 newer handle(s) still hold parameters this one "
+        "set (['weight']...); restore the newest first"
+    )
+    newer.restore()
+    assert wrapper.unwrap() is holder
+    assert net.head.weight.requires_grad and net.trunk[0].weight.requires_grad
+    bn = nn.BatchNorm1d(8, affine=False)  # no parameters: the handles share only the layer
+    model = nn.Sequential(Frozen(bn), nn.Linear(8, 1))
+    whole = freeze(model)
+    with pytest.raises(RestoreError) as only_layers:
+        model[0].unwrap()
+    assert str(only_layers.value).startswith(
+        "Frozen(): restored out of order: 1 newer handle(s) still hold layers this one set "
+        "(['BatchNorm1d']...); restore the newest first"
+    )
+    whole.restore()
+    assert model[0].unwrap() is bn and bn.training
+
+
 def test_a_handle_restored_inside_its_block_is_not_restored_again(net: Net) -> None:
     before = state(net)
     with frozen(net, "trunk") as outer:
