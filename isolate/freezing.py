@@ -31,7 +31,7 @@ from isolate._selectors import Selector, check_module, select
 from isolate._text import warn_user
 from isolate._tree import iter_tensors
 from isolate._wrapping import Wrapper
-from isolate.errors import RestoreError, SelectorError
+from isolate.errors import RestoreError
 from isolate.exposure import Exposure, optimizer_exposure, unwrap_optimizer
 
 __all__ = [
@@ -288,9 +288,8 @@ def freeze(
         A :class:`FreezeHandle`; its ``restore()`` puts back exactly what was there.
 
     Raises:
-        SelectorError: a selector matched nothing or is malformed, both ``mode`` and ``bn``
-            are given, or ``optimizer`` holds no parameter of ``model`` (it would be
-            checked for nothing); nothing was changed.
+        SelectorError: a selector matched nothing or is malformed, or both ``mode`` and ``bn``
+            are given; nothing was changed.
         IsolationTypeError: ``model`` is not a module, a selector has the wrong type,
             ``optimizer`` is not an optimizer, or a selected parameter is an uninitialized
             lazy parameter (run one forward first) or was created under
@@ -323,7 +322,7 @@ def freeze(
     check_module(model, caller)
     policy, whole = policy_of(mode, bn, "eval", caller)
     if optimizer is not None:
-        _check_trains(unwrap_optimizer(optimizer, caller), model, caller)
+        unwrap_optimizer(optimizer, caller)
     selection = select(model, selectors, caller, modes=whole)
     layers = selection.modes if whole else selection.norms
     handle = FreezeHandle(model, caller, selection.params, dict(layers), False, policy)
@@ -353,21 +352,6 @@ def freeze(
                 f"optimizer (or build it anew from the trainable parameters)"
             )
     return handle
-
-
-def _check_trains(optimizer: torch.optim.Optimizer, model: nn.Module, caller: str) -> None:
-    """Refuse an optimizer that holds no parameter of ``model``: it would be checked for
-    frozen parameters it can never hold, and pass whatever it does to the model."""
-    ours = {id(p) for p in model.parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    if ours and not any(id(p) in ours for p in held):
-        name = type(model).__name__
-        raise SelectorError(
-            f"{caller}: the optimizer holds none of the {len(ours)} parameters of {name} "
-            f"(its {len(optimizer.param_groups)} param group(s) hold {len(held)} parameters of "
-            f"another model), so it cannot tell whether frozen ones would still move; pass the "
-            f"optimizer that trains {name}, or leave optimizer= out"
-        )
 
 
 @outside_compile

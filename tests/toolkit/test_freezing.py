@@ -554,29 +554,6 @@ def test_freeze_names_optimizer_groups_that_could_still_move_frozen_parameters(n
         freeze(net, "head", optimizer="sgd")  # type: ignore[arg-type]
 
 
-def test_an_optimizer_of_another_model_is_refused_before_anything_changes(net: Net) -> None:
-    other = nn.Linear(8, 8)
-    foreign = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
-    for p in net.parameters():
-        p.grad = torch.zeros_like(p)
-    before = state(net)
-    with pytest.raises(
-        SelectorError,
-        match=r"^freeze\(\): the optimizer holds none of the 10 parameters of Net \(its 1 "
-        r"param group\(s\) hold 2 parameters of another model\), so it cannot tell whether "
-        r"frozen ones would still move; pass the optimizer that trains Net, or leave "
-        r"optimizer= out$",
-    ):
-        freeze(net, "trunk", optimizer=foreign)
-    assert state(net) == before
-    assert all(p.grad is not None for p in net.parameters())
-    trains_head = torch.optim.SGD(net.head.parameters(), lr=0.1, weight_decay=1e-2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with frozen(net, "trunk", optimizer=trains_head) as handle:
-            assert handle.exposures == ()
-
-
 # Everything is validated before the first flag flips: a parameter that cannot be frozen
 # (uninitialized lazy, made under inference mode) is refused and nothing changes.
 
