@@ -58,6 +58,10 @@ def _own_attributes(code: types.CodeType, owner: str) -> Iterator[str]:
 
 def _method_code(cls: type, name: str) -> types.CodeType | None:
     value = inspect.getattr_static(cls, name, None)
+    if isinstance(value, property):  # self.name runs the getter
+        value = value.fget
+    elif isinstance(value, functools.partialmethod):
+        value = value.func
     func = inspect.unwrap(value) if callable(value) else None
     code = getattr(func, "__code__", None)
     return code if isinstance(code, types.CodeType) and code.co_varnames else None

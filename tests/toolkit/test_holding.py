@@ -5,6 +5,7 @@ assignments, undone exactly."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -199,6 +200,40 @@ def test_a_subclass_that_calls_the_base_forward_through_super_reads_the_base_fla
         assert torch.equal(net(x), net(x))
         assert torch.equal(net(x), net[0](x) * 2)  # the dropout in eval mode: identity
     assert net[1].training and held_in_eval(net) == ()
+
+
+class ThroughProperty(nn.Module):
+    """Reads its mode in a property that its forward reads."""
+
+    p = 0.5
+
+    @property
+    def stochastic(self) -> bool:
+        return self.training and self.p > 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, self.p, self.stochastic)
+
+
+class ThroughPartial(nn.Module):
+    def _drop(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, p, self.training)
+
+    drop_half = functools.partialmethod(_drop, p=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_half(x)  # type: ignore[no-any-return]
+
+
+def test_a_mode_read_in_a_property_or_a_partial_method_counts() -> None:
+    assert reads_training(ThroughProperty())
+    assert reads_training(ThroughPartial())
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), ThroughProperty())
+    with isolate.frozen(net, mode="eval") as handle:
+        assert handle.held == ("1",)
+        x = torch.ones(8, 4)
+        assert torch.equal(net.train()(x), net[0](x))
 
 
 def test_a_declaration_overrides_what_the_code_says() -> None:
