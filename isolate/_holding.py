@@ -58,6 +58,10 @@ def _own_attributes(code: types.CodeType, owner: str) -> Iterator[str]:
 
 def _method_code(cls: type, name: str) -> types.CodeType | None:
     value = inspect.getattr_static(cls, name, None)
+    if isinstance(value, property):  # self.name runs the getter
+        value = value.fget
+    elif isinstance(value, functools.partialmethod):
+        value = value.func
     func = inspect.unwrap(value) if callable(value) else None
     code = getattr(func, "__code__", None)
     return code if isinstance(code, types.CodeType) and code.co_varnames else None
@@ -66,22 +70,31 @@ def _method_code(cls: type, name: str) -> types.CodeType | None:
 @functools.cache
 def _class_reads_training(cls: type) -> bool:
     # forward and the methods it calls on self, transitively: torch's InstanceNorm reads the
-    # flag in a helper that forward calls. Methods that forward does not call (an export
-    # that saves and restores the mode) do not count.
-    pending, seen = ["forward"], set()
+    # flag in a helper that forward calls, and a subclass may read it only through
+    # super().forward(). Methods that forward does not call (an export that saves and
+    # restores the mode) do not count. A method is looked up from a place in the MRO: 0 for
+    # self.name, past the class that defines the caller for super().name.
+    mro = cls.__mro__
+    pending: list[tuple[int, str]] = [(0, "forward")]
+    seen: set[tuple[int, str]] = set()
     while pending:
-        name = pending.pop()
-        if name in seen:
+        start, name = pending.pop()
+        if (start, name) in seen:
             continue
-        seen.add(name)
-        code = _method_code(cls, name)
-        if code is None or getattr(nn.Module, name, None) is getattr(cls, name, None):
-            continue  # not a Python method, or nn.Module's own (_call_impl, ...)
+        seen.add((start, name))
+        owner = next((i for i in range(start, len(mro)) if name in vars(mro[i])), None)
+        if owner is None or mro[owner] in (nn.Module, object):
+            continue  # not defined, or nn.Module's own (_call_impl, ...)
+        code = _method_code(mro[owner], name)
+        if code is None:
+            continue  # not a Python method
         for inner in _codes(code):
             names = set(_own_attributes(inner, code.co_varnames[0]))
             if "training" in names:
                 return True
-            pending.extend(names - seen)
+            pending.extend((0, n) for n in names)
+            if "super" in inner.co_names:  # super().name(...), for any name it calls
+                pending.extend((owner + 1, n) for n in inner.co_names)
     return False
 
 

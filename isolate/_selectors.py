@@ -49,6 +49,10 @@ others pick: a typo is an error, not a silently different selection.
 _GLOB_CHARS = frozenset("*?[")
 _TYPE = "type:"
 _NOT = "!"
+_SELECTOR_KINDS = (
+    "a selector must be a module, a parameter, a name, a glob or a predicate "
+    "fn(name, parameter) -> bool"
+)
 
 
 @dataclass
@@ -188,11 +192,20 @@ def _match_one(
             }
         inside = selector + "."  # a name; globs are matched in select(), all in one pass
         return {i for name, i in pairs if name == selector or name.startswith(inside)}
+    if isinstance(selector, type):
+        # A class is callable, but calling it with (name, parameter) builds an instance.
+        hint = (
+            f". To select every {selector.__name__} module, write 'type:{selector.__name__}'"
+            if issubclass(selector, nn.Module)
+            else ""
+        )
+        raise IsolationTypeError(
+            f"{caller}: {_SELECTOR_KINDS}; got the class {selector.__name__} itself{hint}"
+        )
     if callable(selector):
         return {id(p) for name, p in zip(tree.names, tree.params, strict=True) if selector(name, p)}
     raise IsolationTypeError(
-        f"{caller}: a selector must be a module, a parameter, a name, a glob or a predicate "
-        f"fn(name, parameter) -> bool; got {type(selector).__name__} {selector!r}"
+        f"{caller}: {_SELECTOR_KINDS}; got {type(selector).__name__} {selector!r}"
     )
 
 
@@ -217,12 +230,16 @@ def _norms_covered(
     names = [s for s in selectors if isinstance(s, str) and not _is_type(s) and not _is_glob(s)]
     globs = [s for s in selectors if _is_glob(s)]
     glob = _glob_match([str(g) for g in globs]) if globs else None
-    norms: dict[str, nn.Module] = {}
-    seen: set[int] = set()
+    # A shared module goes by its first name, as its parameters do, but is covered by a
+    # selector that reaches it under any of its names.
+    first: dict[int, tuple[str, nn.Module]] = {}
+    covered: set[int] = set()
     for name, module in tree.modules:
-        if id(module) in seen or not candidate(module):
+        if not candidate(module):
             continue
-        seen.add(id(module))
+        first.setdefault(id(module), (name, module))
+        if id(module) in covered:
+            continue
         own = [p for p in module._parameters.values() if p is not None]
         base = name + "." if name else ""
         places = [base + b for b in module._buffers] or ([] if own else [name])
@@ -233,8 +250,8 @@ def _norms_covered(
             or any(name == s or name.startswith(s + ".") for s in names)
             or (glob is not None and any(glob(place) for place in places))
         ):
-            norms[name] = module
-    return norms
+            covered.add(id(module))
+    return {name: module for i, (name, module) in first.items() if i in covered}
 
 
 def _covered(

@@ -171,7 +171,9 @@ class FreezeHandle:
     @outside_compile
     def restore(self) -> None:
         """Write back the ``requires_grad`` flags and BatchNorm modes recorded at the call
-        (not the gradients dropped when freezing: they would be stale).
+        (not the gradients dropped when freezing: they would be stale). A parameter that
+        the restore freezes again (the undo of an :func:`unfreeze`) loses its ``.grad``, as
+        :func:`freeze` drops it.
 
         Raises:
             RestoreError: if the handle was restored already, or if a newer handle that
@@ -179,6 +181,12 @@ class FreezeHandle:
         """
         self.check_restore()
         write_flags(self._params, self._flags, self._plain)
+        if not all(self._flags):
+            # A grad left on a parameter that no longer learns would be stepped again (an
+            # accumulation step, weight decay over a zero-filled grad).
+            for p, flag in zip(self._params, self._flags, strict=True):
+                if not flag and p.grad is not None:
+                    p.grad = None
         for m, training in self._modules:
             pop_hold(m, self._seq)
             m.training = training
@@ -192,10 +200,20 @@ class FreezeHandle:
         newer = [h for h in list(_active) if h._seq > self._seq and h._active and h._touches(self)]
         newer = [h for h in newer if all(h is not f for f in first)]
         if newer:
-            names = sorted({n for h in newer for n in h.names if n in self.names})
+            # By identity: each handle names its parameters from its own model's root.
+            ids = set().union(*(h._ids() for h in newer))
+            what = "parameters"
+            names = sorted(n for n, p in zip(self.names, self._params, strict=True) if id(p) in ids)
+            if not names:  # only layers held in a mode (a BatchNorm without affine)
+                what = "layers"
+                names = sorted(
+                    n or self._model_name
+                    for n, (m, _) in zip(self.held, self._modules, strict=True)
+                    if id(m) in ids
+                )
             raise RestoreError(
                 f"{self._caller}: restored out of order: {len(newer)} newer handle(s) still "
-                f"hold parameters this one set ({names[:5]}...); restore the newest first, "
+                f"hold {what} this one set ({names[:5]}...); restore the newest first, "
                 f"or use the context managers frozen()/unfrozen(), which nest correctly"
             )
 

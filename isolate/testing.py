@@ -39,7 +39,7 @@ from isolate._protected import Protected
 from isolate._selectors import Selector
 from isolate.cutoff import assert_reached, trace_forward
 from isolate.drift import ParameterFilter, Snapshot, snapshot
-from isolate.errors import GradientLeakError, SelectorError
+from isolate.errors import GradientLeakError, IsolationTypeError, SelectorError
 from isolate.gradients import gradient_invariance
 from isolate.reachability import assert_isolated
 
@@ -78,6 +78,7 @@ def assert_gradient_invariance(
     Raises:
         GradientLeakError: naming each parameter whose gradient changed and by how much.
         SelectorError: no protected parameter requires grad: there is nothing to compare.
+        IsolationTypeError: ``atol`` is not a number >= 0.
 
     >>> encoder, head, probe = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 2)
     >>> features = encoder(torch.randn(4, 3))
@@ -90,6 +91,9 @@ def assert_gradient_invariance(
     """
     __tracebackhide__ = True
     caller = "assert_gradient_invariance()"
+    if not isinstance(atol, (int, float)) or not atol >= 0:
+        # A negative or NaN tolerance would fail an exact isolation (0.0 > -1).
+        raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
     result = gradient_invariance(main_loss, total_loss, protected, model=model)
     if not result.trainable:
         raise SelectorError(

@@ -154,6 +154,31 @@ def test_freeze_drops_gradients(net: Net) -> None:
         assert all(p.grad is None for p in net.trunk.parameters())
 
 
+def test_restoring_an_unfreeze_drops_the_gradients_of_what_it_freezes_again(net: Net) -> None:
+    """The undo of an unfreeze freezes as freeze() does: a .grad left on a parameter that
+    no longer learns would be stepped again (gradient accumulation, zero_grad with
+    set_to_none=False and weight decay), so it goes; what stays trainable keeps its own."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=0.1)
+    x = torch.randn(5, 4)
+    with frozen(net, "trunk", "head.bias"):
+        with unfrozen(net, "trunk.0", "head.bias"):
+            net(x).sum().backward()
+            opt.step()
+        assert [p.grad for p in net.trunk.parameters()] == [None] * 6
+        assert net.head.bias.grad is None and net.head.weight.grad is not None
+        before = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
+        opt.zero_grad(set_to_none=False)
+        net(x).sum().backward()
+        opt.step()
+        assert {n: torch.equal(before[n], p) for n, p in net.named_parameters() if n in before} == {
+            n: True for n in before
+        }
+    net.zero_grad()
+    with unfrozen(net, "head"):  # already trainable: the restore leaves it trainable
+        net(x).sum().backward()
+    assert net.head.weight.grad is not None and net.head.bias.grad is not None
+
+
 @pytest.mark.parametrize(
     ("selector", "message"),
     [
@@ -195,6 +220,19 @@ def test_wrong_types(net: Net) -> None:
         freeze(net, 3)  # type: ignore[arg-type]
     with pytest.raises(SelectorError, match=r"^freeze\(\): bn='frozen' is not a BatchNorm policy"):
         freeze(net, bn="frozen")  # type: ignore[arg-type]
+
+
+def test_a_module_class_as_selector_is_refused_with_the_type_selector_to_write(net: Net) -> None:
+    before = state(net)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^freeze\(\): a selector must be .*; got the class BatchNorm1d itself\. To select "
+        r"every BatchNorm1d module, write 'type:BatchNorm1d'$",
+    ):
+        freeze(net, "head", nn.BatchNorm1d)  # type: ignore[arg-type]
+    assert state(net) == before
+    with pytest.raises(IsolationTypeError, match=r"^is_frozen\(\): .* write 'type:Linear'$"):
+        is_frozen(net, nn.Linear)  # type: ignore[arg-type]
 
 
 def test_is_frozen_names_itself_in_its_errors() -> None:
@@ -456,6 +494,41 @@ def test_tied_parameters_go_by_their_first_name_and_match_every_alias() -> None:
     assert all(p.requires_grad for p in model.parameters())
 
 
+class Siamese(nn.Module):
+    """One trunk reached by two names: the BatchNorm and the dropout go by ``left.*``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        trunk = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False), nn.Dropout(0.5))
+        self.left = trunk
+        self.right = trunk
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.right(x))
+
+
+@pytest.mark.parametrize("selector", ["right", "right.*", "left"])
+def test_a_shared_module_is_held_whichever_of_its_names_selects_it(selector: str) -> None:
+    torch.manual_seed(0)
+    model = Siamese()
+    bn = model.right[1]
+    with frozen(model, selector, mode="eval") as handle:
+        assert handle.names == ("left.0.weight", "left.0.bias")
+        assert handle.held == ("left.1", "left.2")
+        assert handle.norms == ("left.1",)
+        assert isolate.freezing.held_in_eval(model) == ("left.1", "left.2")
+        mean = bn.running_mean.clone()
+        x = torch.randn(4, 2)
+        out = model.train()(x)
+        assert torch.equal(bn.running_mean, mean)
+        assert torch.equal(out, model(x))  # the dropout is held too: the forward is fixed
+    with frozen(model, selector) as by_bn:
+        assert by_bn.norms == ("left.1",)
+    assert bn.training and model.right[2].training
+    assert not bn._forward_pre_hooks
+
+
 def test_freeze_names_optimizer_groups_that_could_still_move_frozen_parameters(net: Net) -> None:
     decayed = torch.optim.SGD(
         [
@@ -707,6 +780,38 @@ def test_a_restore_out_of_order_names_the_first_five_parameters_held_by_newer_ha
     )
     inner.restore()
     outer.restore()
+
+
+def test_a_restore_out_of_order_names_what_the_newer_handle_holds_not_names_it_shares(
+    net: Net,
+) -> None:
+    """The handles name parameters from different roots: the wrapper's 'weight' is the
+    model's 'head.weight', and the model's 'trunk.0.weight' is not the wrapper's."""
+    holder = nn.Module()
+    holder.trunk = nn.Sequential(nn.Linear(8, 8))
+    holder.weight = net.head.weight
+    wrapper = Frozen(holder)
+    newer = freeze(net, "head.weight", "trunk.0.weight")
+    with pytest.raises(RestoreError) as info:
+        wrapper.unwrap()
+    assert str(info.value).startswith(
+        "Frozen(): restored out of order: 1 newer handle(s) still hold parameters this one "
+        "set (['weight']...); restore the newest first"
+    )
+    newer.restore()
+    assert wrapper.unwrap() is holder
+    assert net.head.weight.requires_grad and net.trunk[0].weight.requires_grad
+    bn = nn.BatchNorm1d(8, affine=False)  # no parameters: the handles share only the layer
+    model = nn.Sequential(Frozen(bn), nn.Linear(8, 1))
+    whole = freeze(model)
+    with pytest.raises(RestoreError) as only_layers:
+        model[0].unwrap()
+    assert str(only_layers.value).startswith(
+        "Frozen(): restored out of order: 1 newer handle(s) still hold layers this one set "
+        "(['BatchNorm1d']...); restore the newest first"
+    )
+    whole.restore()
+    assert model[0].unwrap() is bn and bn.training
 
 
 def test_a_handle_restored_inside_its_block_is_not_restored_again(net: Net) -> None:

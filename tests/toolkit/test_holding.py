@@ -5,6 +5,7 @@ assignments, undone exactly."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -154,6 +155,85 @@ def test_the_code_read_is_the_modules_own_forward_and_closures() -> None:
     assert not reads_training(CallsHelpersWithoutSelf())
     x = torch.ones(1)
     assert torch.equal(CallsHelpersWithoutSelf()(x), x)
+
+
+class ScaledDropout(nn.Dropout):
+    """Reads its mode only through ``super().forward``, in nn.Dropout's code."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+class SkipsDropout(nn.Dropout):
+    """Overrides the base's forward without calling it: its mode does not matter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class NoisierHelper(Helper):
+    """Calls the base class's helper, not its forward, through ``super()``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super()._noise(x) * 2
+
+    def _noise(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class Attention(nn.MultiheadAttention):
+    def forward(self, *args: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        return tuple(super().forward(*args, **kwargs))  # type: ignore[arg-type]
+
+
+def test_a_subclass_that_calls_the_base_forward_through_super_reads_the_base_flag() -> None:
+    assert reads_training(ScaledDropout(0.5))
+    assert reads_training(Attention(4, 1, dropout=0.5))
+    assert reads_training(NoisierHelper())
+    assert not reads_training(SkipsDropout(0.5))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), ScaledDropout(0.5))
+    with isolate.frozen(net, mode="eval") as handle:
+        assert handle.held == ("1",)
+        x = torch.ones(8, 4)
+        net.train()
+        assert torch.equal(net(x), net(x))
+        assert torch.equal(net(x), net[0](x) * 2)  # the dropout in eval mode: identity
+    assert net[1].training and held_in_eval(net) == ()
+
+
+class ThroughProperty(nn.Module):
+    """Reads its mode in a property that its forward reads."""
+
+    p = 0.5
+
+    @property
+    def stochastic(self) -> bool:
+        return self.training and self.p > 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, self.p, self.stochastic)
+
+
+class ThroughPartial(nn.Module):
+    def _drop(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, p, self.training)
+
+    drop_half = functools.partialmethod(_drop, p=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_half(x)  # type: ignore[no-any-return]
+
+
+def test_a_mode_read_in_a_property_or_a_partial_method_counts() -> None:
+    assert reads_training(ThroughProperty())
+    assert reads_training(ThroughPartial())
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), ThroughProperty())
+    with isolate.frozen(net, mode="eval") as handle:
+        assert handle.held == ("1",)
+        x = torch.ones(8, 4)
+        assert torch.equal(net.train()(x), net[0](x))
 
 
 def test_a_declaration_overrides_what_the_code_says() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -14,7 +15,13 @@ from torch import nn
 import isolate.testing as plugin
 from isolate.cutoff import assert_reached as core_assert_reached
 from isolate.drift import Snapshot, snapshot
-from isolate.errors import CutOffError, DriftError, GradientLeakError, SelectorError
+from isolate.errors import (
+    CutOffError,
+    DriftError,
+    GradientLeakError,
+    IsolationTypeError,
+    SelectorError,
+)
 from isolate.reachability import assert_isolated as auditing_assert_isolated
 from isolate.testing import (
     assert_gradient_invariance,
@@ -161,6 +168,27 @@ def test_assert_gradient_invariance() -> None:
     assert_gradient_invariance(main, leaky, "encoder", model=model, atol=1e6)
     # Reaching the head, not the encoder, is fine.
     assert_gradient_invariance(main, main + head.weight.sum(), encoder)
+
+
+@pytest.mark.parametrize("atol", [-1.0, float("nan"), "0", None, torch.tensor(0.0)])
+def test_assert_gradient_invariance_refuses_a_tolerance_that_is_not_a_number_at_least_zero(
+    atol: object,
+) -> None:
+    """A negative or NaN tolerance failed an exact isolation (0.0 > -1); a string or None
+    crashed in the comparison. Refused as assert_unchanged refuses them, before any grad."""
+    torch.manual_seed(0)
+    encoder, head, probe = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 2)
+    features = encoder(torch.randn(4, 3))
+    main = head(features).mean()
+    isolated = main + probe(features.detach()).mean()
+    with pytest.raises(
+        IsolationTypeError,
+        match=rf"^assert_gradient_invariance\(\): atol must be a number >= 0, got "
+        rf"{re.escape(repr(atol))}$",
+    ):
+        assert_gradient_invariance(main, isolated, encoder, atol=atol)  # type: ignore[arg-type]
+    assert encoder.weight.grad is None and probe.weight.grad is None
+    assert_gradient_invariance(main, isolated, encoder, atol=0)
 
 
 def test_fixture_from_the_installed_plugin(isolation_snapshot: Callable[..., Snapshot]) -> None:
