@@ -171,9 +171,7 @@ class FreezeHandle:
     @outside_compile
     def restore(self) -> None:
         """Write back the ``requires_grad`` flags and BatchNorm modes recorded at the call
-        (not the gradients dropped when freezing: they would be stale). A parameter that
-        the restore freezes again (the undo of an :func:`unfreeze`) loses its ``.grad``, as
-        :func:`freeze` drops it.
+        (not the gradients dropped when freezing: they would be stale).
 
         Raises:
             RestoreError: if the handle was restored already, or if a newer handle that
@@ -181,12 +179,6 @@ class FreezeHandle:
         """
         self.check_restore()
         write_flags(self._params, self._flags, self._plain)
-        if not all(self._flags):
-            # A grad left on a parameter that no longer learns would be stepped again (an
-            # accumulation step, weight decay over a zero-filled grad).
-            for p, flag in zip(self._params, self._flags, strict=True):
-                if not flag and p.grad is not None:
-                    p.grad = None
         for m, training in self._modules:
             pop_hold(m, self._seq)
             m.training = training
