@@ -199,7 +199,8 @@ def _dense_rows(column: list[torch.Tensor | None], p: nn.Parameter) -> torch.Ten
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are made dense, which costs what the
     parameter itself costs; half-precision ones are widened to float32, where their products
-    are exact and their sums cannot overflow.
+    are exact and their sums cannot overflow. A complex gradient is its real and imaginary
+    parts side by side: its norm counts both, and its cosines are those of the real vectors.
     """
     flat = []
     for g in column:
@@ -207,8 +208,8 @@ def _dense_rows(column: list[torch.Tensor | None], p: nn.Parameter) -> torch.Ten
             g = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif g.layout != torch.strided:
             g = g.to_dense()
-        flat.append(g.reshape(-1))
-    rows = torch.stack(flat)
+        flat.append(torch.view_as_real(g.resolve_conj()) if g.is_complex() else g)
+    rows = torch.stack(flat).reshape(len(flat), -1)
     if rows.dtype in (torch.float16, torch.bfloat16):
         rows = rows.float()
     return rows
@@ -335,8 +336,10 @@ def gradient_report(
         (exact products, no overflow), in float64 where float32 would overflow, and summed
         in float64: norms and cosines are good to about 7 significant digits; for exact
         comparisons use :func:`gradient_invariance`. Sparse gradients
-        (``nn.Embedding(sparse=True)``) are made dense one parameter at a time. Frozen
-        parameters are listed under ``frozen``, so a frozen group prints ``frozen (n)``.
+        (``nn.Embedding(sparse=True)``) are made dense one parameter at a time. A complex
+        gradient counts as its real and imaginary parts side by side (norms count both, and
+        cosines are those of the real vectors). Frozen parameters are listed under
+        ``frozen``, so a frozen group prints ``frozen (n)``.
 
     >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     >>> x = torch.randn(4, 3)

@@ -225,6 +225,33 @@ def test_invariance_with_sparse_gradients() -> None:
     assert result.max_delta == pytest.approx(float(g.to_dense().abs().max()), rel=1e-6)
 
 
+def test_report_on_complex_parameters_measures_both_parts_of_each_gradient() -> None:
+    """A complex gradient is a vector of twice as many reals: |g|^2 sums |g_i|^2 and the
+    cosine is that of the real vectors, never above 1."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+    model = nn.ParameterDict({"p": p, "q": nn.Parameter(torch.randn(2))})
+    z = torch.randn(4, dtype=torch.cfloat)
+    losses = {
+        "a": (p * z).abs().sum() + model["q"].sum(),
+        "b": (p.conj() * p).real.sum() + (p * 1j).real.sum(),
+        "c": p.conj().sum().real,
+    }
+    a, b, c = (torch.autograd.grad(loss, p, retain_graph=True)[0] for loss in losses.values())
+    assert c.is_conj()  # a lazy conjugate, which view_as_real refuses unresolved
+    ra, rb = (torch.view_as_real(g).double().flatten() for g in (a, b))
+    report = gradient_report(losses, model, groups={"p": "p"})
+    assert report["p"].norms == {
+        "a": pytest.approx(float(ra.norm()), rel=1e-6),
+        "b": pytest.approx(float(rb.norm()), rel=1e-6),
+        "c": 2.0,  # |1| in each of 4 places
+    }
+    cosine = float(ra @ rb) / float(ra.norm() * rb.norm())
+    assert report["p"].cosines[("a", "b")] == pytest.approx(cosine, rel=1e-6)
+    assert report["p"].shares["a"] == pytest.approx(float(ra @ ra) / (float(ra @ ra) + 2.0))
+    assert report["p"].shares["b"] == 1.0
+
+
 # --------------------------------------------------------------------------------------------
 # Undefined cosines and frozen groups: what the report says when a value does not exist
 
