@@ -18,7 +18,7 @@ from isolate._checkpointing import differentiate
 from isolate._compiled import compiled_in
 from isolate._seethrough import SeeThrough
 from isolate._sharding import check_leaves, is_flat_parameter, sharded_view
-from isolate.errors import IsolationTypeError, ShardedGraphError
+from isolate.errors import BlindSpotError, IsolationTypeError, ShardedGraphError
 
 __all__ = ["Losses", "Walk", "check_losses", "gradients_of", "graph_inputs", "node_name", "walk"]
 
@@ -55,6 +55,12 @@ _LAYOUT_OPS = frozenset(
 )
 
 
+# Nodes whose backward only raises: a Function marked ``@once_differentiable`` differentiated
+# again (its edges go to stand-in leaves, not to what the backward used), or a derivative
+# torch does not implement.
+_RAISING = frozenset({"torch::autograd::Error", "torch::autograd::NotImplemented"})
+
+
 def node_name(node: Node) -> str:
     return node.name().removeprefix("torch::autograd::")
 
@@ -70,6 +76,8 @@ class Walk:
     # every node seen -> the node it was first reached from (None for the outputs' own nodes).
     # Holding the node objects also keeps their Python wrappers alive, so identity is stable.
     parent: dict[Node, Node | None] = field(default_factory=dict)
+    # nodes whose backward raises, in the order found
+    raising: list[Node] = field(default_factory=list)
 
     def path(self, node: Node) -> list[str]:
         """Node names from an output down to ``node`` along the first-found route."""
@@ -167,6 +175,8 @@ def walk(
         if variable is not None:  # the end of a path
             found.leaves[id(variable)] = variable
             continue
+        if node.name() in _RAISING:
+            found.raising.append(node)
         if stop is not None and stop(node):
             continue
         for child, output in see.edges(node):
@@ -200,12 +210,27 @@ def graph_inputs(
 
     Raises:
         ShardedGraphError: as :func:`check_leaves`.
+        BlindSpotError: the graph runs through a node whose backward raises: a real backward
+            fails there, and ``autograd.grad`` returns the other paths' part only.
     """
     view = sharded_view(roots, caller)
     flat_model = any(is_flat_parameter(p) for r in roots for p in r.parameters())
     outputs = [t for t in losses if t.requires_grad]
     if outputs:
-        check_leaves(walk(outputs, caller), roots, caller, view=view, tensors=params)
+        found = walk(outputs, caller)
+        if found.raising:
+            node = found.raising[0]
+            before = found.parent[node]
+            consumer = f" (consumed by {node_name(before)})" if before is not None else ""
+            raise BlindSpotError(
+                f"{caller}: the loss's graph runs through {node.name()}{consumer}, whose "
+                f"backward raises (a Function marked @once_differentiable, differentiated "
+                f"again, or a derivative torch does not implement): a real backward fails "
+                f"there, and the gradients of the other paths alone are not the loss's. Fix: "
+                f"give the Function a backward that is itself differentiable, or leave its "
+                f"gradient out of the loss (no create_graph=True through it)"
+            )
+        check_leaves(found, roots, caller, view=view, tensors=params)
     if flat_model:
         raise ShardedGraphError(
             f"{caller}: the model holds FSDP1 FlatParameters (FullyShardedDataParallel): the "

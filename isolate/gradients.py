@@ -324,8 +324,10 @@ def gradient_report(
     Raises:
         IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
         SelectorError: a group's selector matches no parameter.
-        BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed, or a
-            compiled backward reuses its saved buffers (torch refuses to keep the graph).
+        BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed, a
+            compiled backward reuses its saved buffers (torch refuses to keep the graph), or
+            the graph runs through a node whose backward raises (a Function marked
+            ``@once_differentiable`` in a gradient penalty).
 
     Note:
         Shares are of the *squared* norm, so they add up to 1 over non-overlapping groups. A

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 import isolate
 from isolate import assert_isolated, freeze, gradient_report
@@ -747,3 +748,60 @@ def test_a_report_where_no_loss_reaches_any_parameter_has_every_value_undefined(
     assert report.total.numel == 0 and report.total.norms == {"main": None, "constant": None}
     assert report.total.shares == {"main": None, "constant": None}
     assert report["encoder"].size == "frozen (112)"
+
+
+class _TanhOnce(torch.autograd.Function):
+    """tanh whose backward cannot itself be differentiated."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a.tanh()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors
+        return grad * (1 - a.tanh() ** 2)
+
+
+def test_a_gradient_penalty_through_a_once_differentiable_function_is_refused() -> None:
+    """Differentiating its backward again leads to a node that raises, whose edges go to
+    stand-in leaves: autograd.grad returns the other paths' part of the gradient only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(2, 3, requires_grad=True)
+    (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    main = g.pow(2).sum()
+    (g,) = torch.autograd.grad(model[2](_TanhOnce.apply(model[0](x))).sum(), x, create_graph=True)
+    penalty = g.pow(2).sum()
+    assert penalty.item() == pytest.approx(main.item())
+    (partial,) = torch.autograd.grad(penalty, model[2].weight, retain_graph=True, allow_unused=True)
+    assert partial is None  # the trap: the penalty does depend on it
+    message = (
+        r"^gradient_report\(\): the loss's graph runs through "
+        r"torch::autograd::Error \(consumed by MmBackward0\), whose backward raises"
+    )
+    with pytest.raises(BlindSpotError, match=message):
+        gradient_report({"main": main, "penalty": penalty}, model)
+    with pytest.raises(BlindSpotError, match=r"^gradient_invariance\(\): the loss's graph runs"):
+        gradient_invariance(main, main + penalty, model[2])
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        penalty.backward()  # a real backward fails there too
+
+
+def test_a_report_through_a_derivative_torch_does_not_implement_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    log_probs = model(torch.randn(6, 2, 4)).log_softmax(-1)
+    lengths = torch.tensor([6, 6])
+    loss = nn.functional.ctc_loss(log_probs, torch.tensor([[1, 2], [3, 4]]), lengths, lengths // 3)
+    (g,) = torch.autograd.grad(loss, log_probs, create_graph=True)
+    penalty = g.pow(2).sum()
+    with pytest.raises(
+        BlindSpotError,
+        match=r"^gradient_report\(\): the loss's graph runs through "
+        r"torch::autograd::NotImplemented \(consumed by PowBackward0\), whose backward raises",
+    ):
+        gradient_report({"loss": loss, "penalty": penalty}, model)
+    assert reachable_parameters(penalty, model) == ("weight", "bias")  # an upper bound
