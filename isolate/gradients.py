@@ -296,6 +296,14 @@ def _stats(name: str, members: _Members, grams: _Grams, totals: Mapping[str, flo
     )
 
 
+def _check_real(what: str, loss: torch.Tensor, caller: str) -> None:
+    if loss.is_complex():  # autograd differentiates real losses only
+        raise IsolationTypeError(
+            f"{caller}: {what} must be a real scalar tensor, got a {str(loss.dtype)[6:]} "
+            f"scalar; take its real part or its absolute value first (e.g. .abs())"
+        )
+
+
 def gradient_report(
     losses: Mapping[str, torch.Tensor],
     model: nn.Module,
@@ -322,7 +330,7 @@ def gradient_report(
         A :class:`GradientReport`; ``print(report)`` shows the table.
 
     Raises:
-        IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
+        IsolationTypeError: a loss is not a real scalar tensor, or an argument has the wrong type.
         SelectorError: a group's selector matches no parameter.
         BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed, a
             compiled backward reuses its saved buffers (torch refuses to keep the graph), or
@@ -369,6 +377,7 @@ def gradient_report(
                 f"{caller}: loss {key!r} must be a scalar tensor, got {got}; reduce it first "
                 f"(e.g. .mean())"
             )
+        _check_real(f"loss {key!r}", loss, caller)
     members = _group_members(model, groups, caller)
     everything = list(model.named_parameters())
     params = list({id(p): p for _, p in everything if p.requires_grad}.values())
@@ -460,7 +469,7 @@ def gradient_invariance(
         A :class:`GradientInvariance` with the per-name and overall max |delta|.
 
     Raises:
-        IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
+        IsolationTypeError: a loss is not a real scalar tensor, or an argument has the wrong type.
         SelectorError: ``protected`` names no parameter, or a selector matches nothing.
         BlindSpotError: as :func:`gradient_report`.
 
@@ -487,6 +496,7 @@ def gradient_invariance(
                 f"{caller}: {what} must be a scalar tensor, got {got}; reduce it first "
                 f"(e.g. .mean())"
             )
+        _check_real(what, loss, caller)
     named = resolve_named(protected, model, caller)
     trainable = list({id(e.tensor): e.tensor for e in named if e.tensor.requires_grad}.values())
     losses = [main_loss, total_loss]  # FSDP2: differentiate the unsharded temporaries

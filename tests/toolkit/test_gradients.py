@@ -661,6 +661,29 @@ def test_invariance_names_the_shape_or_type_of_a_loss_that_is_no_scalar(net: Net
         gradient_invariance(main.sum(), 1.0, net)  # type: ignore[arg-type]
 
 
+def test_a_complex_scalar_loss_is_refused_by_the_report_and_the_invariance() -> None:
+    """autograd differentiates real losses only; a complex one crashed inside torch."""
+    p = nn.Parameter(torch.ones(3, dtype=torch.cfloat))
+    model = nn.ParameterDict({"p": p})
+    loss = (2 * p).sum()
+    with pytest.raises(RuntimeError, match="only for real scalar outputs"):
+        torch.autograd.grad(loss, p)  # the brute force
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^gradient_report\(\): loss 'c' must be a real scalar tensor, got a complex64 "
+        r"scalar; take its real part or its absolute value first \(e\.g\. \.abs\(\)\)$",
+    ):
+        gradient_report({"real": loss.real, "c": loss}, model)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^gradient_invariance\(\): total_loss must be a real scalar tensor, got a "
+        r"complex64 scalar; take its real part or its absolute value first",
+    ):
+        gradient_invariance(loss.real, loss, model)
+    norms = gradient_report({"abs": loss.abs()}, model).total.norms
+    assert norms == {"abs": pytest.approx(2 * 3**0.5)}  # |2| in each of 3 places
+
+
 def test_a_nan_delta_after_a_finite_one_makes_the_max_delta_nan() -> None:
     first, second = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
     main = first.sum() + second.sum()
