@@ -265,6 +265,10 @@ _GENERIC = (
     "trace= to be told which"
 )
 
+_NO_GRAPH = (
+    "no loss has a graph (computed under torch.no_grad(), detached, or from frozen parameters only)"
+)
+
 
 def _diagnose(
     owners: list[tuple[str, nn.Module]],
@@ -367,15 +371,12 @@ def _cut_off(
         if id(p) in excused:
             expected.append(name)
             continue
-        if no_graph:
-            parameters[name] = (
-                "no loss has a graph (computed under torch.no_grad(), detached, or from "
-                "frozen parameters only)"
-            )
-        else:
-            if id(p) not in reasons:
-                reasons[id(p)] = _diagnose(owners.get(id(p), []), trace, found, entries)
-            parameters[name] = reasons[id(p)]
+        if id(p) not in reasons:
+            reason = _diagnose(owners.get(id(p), []), trace, found, entries)
+            # The trace tells why a loss has no graph (a reentrant checkpoint, no_grad);
+            # without it, that there is none is all that can be said.
+            reasons[id(p)] = _NO_GRAPH if no_graph and reason == _GENERIC else reason
+        parameters[name] = reasons[id(p)]
     return CutOff(parameters, tuple(expected), trainable=len(named))
 
 

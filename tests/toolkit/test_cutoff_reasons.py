@@ -43,6 +43,44 @@ def test_a_checkpoint_whose_inputs_required_grad_is_told_apart() -> None:
     )
 
 
+class CheckpointedAdapter(nn.Module):
+    """Frozen embedding and head around a trainable adapter in a reentrant checkpoint: the
+    checkpoint's input does not require grad, so the loss has no graph at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4).requires_grad_(False)
+        self.adapter = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1).requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.adapter, self.embed(tokens), use_reentrant=True)
+        return self.head(h).sum()
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_a_loss_without_graph_is_explained_by_the_trace() -> None:
+    model = CheckpointedAdapter()
+    with trace_forward(model) as trace:
+        loss = model(torch.tensor([1, 2, 3]))
+    assert not loss.requires_grad  # loss.backward() would raise
+    cut = cut_off_parameters(loss, model, trace=trace)
+    assert list(cut.parameters) == ["adapter.weight", "adapter.bias"]
+    assert cut.parameters["adapter.weight"] == (
+        "'adapter' (Linear) ran inside a reentrant checkpoint whose inputs do not require "
+        "grad, so the segment's output carries no graph. Fix: make the segment's input "
+        "require grad (x.requires_grad_(); in transformers, model.enable_input_require_grads()) "
+        "or use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+    )
+    with trace_forward(model) as trace, torch.no_grad():
+        loss = model.head(model.adapter(model.embed(torch.tensor([1]))))
+    reason = cut_off_parameters(loss, model, trace=trace).parameters["adapter.bias"]
+    assert reason.startswith("'adapter' (Linear) ran with gradient tracking off")
+    assert (
+        cut_off_parameters(loss, model).parameters["adapter.bias"].startswith("no loss has a graph")
+    )
+
+
 class ReturnsItsWeight(nn.Module):
     """Returns one of its parameters as is (a leaf), and never reads the other."""
 
