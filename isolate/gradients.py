@@ -332,8 +332,9 @@ def gradient_report(
     Raises:
         IsolationTypeError: a loss is not a real scalar tensor, or an argument has the wrong type.
         SelectorError: a group's selector matches no parameter.
-        BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed, a
-            compiled backward reuses its saved buffers (torch refuses to keep the graph), or
+        BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed or a
+            tensor it saved was changed in place (an ``optimizer.step()`` since the forward),
+            a compiled backward reuses its saved buffers (torch refuses to keep the graph), or
             the graph runs through a node whose backward raises (a Function marked
             ``@once_differentiable`` in a gradient penalty).
 

@@ -828,3 +828,23 @@ def test_a_report_through_a_derivative_torch_does_not_implement_is_refused() -> 
     ):
         gradient_report({"loss": loss, "penalty": penalty}, model)
     assert reachable_parameters(penalty, model) == ("weight", "bias")  # an upper bound
+
+
+def test_a_report_after_an_optimizer_step_changed_saved_tensors_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    loss = model(torch.randn(2, 3)).pow(2).sum()
+    loss.backward(retain_graph=True)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)  # brute force
+    message = (
+        r"^gradient_report\(\): a tensor the loss's graph saved was changed in place since the "
+        r"forward \(an optimizer\.step\(\), an in-place operation\), so its gradients cannot be "
+        r"computed: one of the variables needed .* is at version 2; expected version 1 instead\. "
+        r"Fix: run the audit before the optimizer step, or on the loss of a new forward$"
+    )
+    with pytest.raises(BlindSpotError, match=message):
+        gradient_report({"main": loss}, model)
+    with pytest.raises(BlindSpotError, match=r"^gradient_invariance\(\): a tensor the loss's"):
+        gradient_invariance(loss, loss, model)
