@@ -20,7 +20,16 @@ from isolate._seethrough import SeeThrough
 from isolate._sharding import check_leaves, is_flat_parameter, sharded_view
 from isolate.errors import BlindSpotError, IsolationTypeError, ShardedGraphError
 
-__all__ = ["Losses", "Walk", "check_losses", "gradients_of", "graph_inputs", "node_name", "walk"]
+__all__ = [
+    "Losses",
+    "Walk",
+    "check_losses",
+    "gradients_of",
+    "graph_inputs",
+    "node_name",
+    "refuse_raising",
+    "walk",
+]
 
 T = TypeVar("T", bound=torch.Tensor)
 
@@ -58,7 +67,8 @@ _LAYOUT_OPS = frozenset(
 # Nodes whose backward only raises: a Function marked ``@once_differentiable`` differentiated
 # again (its edges go to stand-in leaves, not to what the backward used), or a derivative
 # torch does not implement.
-_RAISING = frozenset({"torch::autograd::Error", "torch::autograd::NotImplemented"})
+_STAND_INS = "torch::autograd::Error"
+_RAISING = frozenset({_STAND_INS, "torch::autograd::NotImplemented"})
 
 
 def node_name(node: Node) -> str:
@@ -194,6 +204,34 @@ def walk(
     return found
 
 
+def refuse_raising(found: Walk, caller: str, *, walk_only: bool = False) -> None:
+    """Refuse a graph that runs through a node whose backward raises.
+
+    A real backward of the loss fails there, and ``autograd.grad`` returns the other paths'
+    part of a gradient as if it were all of it. With ``walk_only=True`` (an audit that only
+    walks the graph) a derivative torch does not implement passes, since its edges are
+    those of the operation; a ``@once_differentiable`` Function's do not: they go to
+    stand-in leaves, and what lies behind it looks unreached.
+
+    Raises:
+        BlindSpotError: naming the node and the operation it is reached from.
+    """
+    nodes = [n for n in found.raising if not walk_only or n.name() == _STAND_INS]
+    if not nodes:
+        return
+    node = nodes[0]
+    before = found.parent[node]
+    consumer = f" (consumed by {node_name(before)})" if before is not None else ""
+    raise BlindSpotError(
+        f"{caller}: the loss's graph runs through {node.name()}{consumer}, whose backward "
+        f"raises (a Function marked @once_differentiable, differentiated again, or a "
+        f"derivative torch does not implement): a real backward fails there, and what lies "
+        f"behind it cannot be measured. Fix: give the Function a backward that is itself "
+        f"differentiable, or leave its gradient out of the loss (no create_graph=True "
+        f"through it)"
+    )
+
+
 def graph_inputs(
     losses: Sequence[torch.Tensor],
     roots: Sequence[nn.Module],
@@ -218,18 +256,7 @@ def graph_inputs(
     outputs = [t for t in losses if t.requires_grad]
     if outputs:
         found = walk(outputs, caller)
-        if found.raising:
-            node = found.raising[0]
-            before = found.parent[node]
-            consumer = f" (consumed by {node_name(before)})" if before is not None else ""
-            raise BlindSpotError(
-                f"{caller}: the loss's graph runs through {node.name()}{consumer}, whose "
-                f"backward raises (a Function marked @once_differentiable, differentiated "
-                f"again, or a derivative torch does not implement): a real backward fails "
-                f"there, and the gradients of the other paths alone are not the loss's. Fix: "
-                f"give the Function a backward that is itself differentiable, or leave its "
-                f"gradient out of the loss (no create_graph=True through it)"
-            )
+        refuse_raising(found, caller)
         check_leaves(found, roots, caller, view=view, tensors=params)
     if flat_model:
         raise ShardedGraphError(

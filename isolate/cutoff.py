@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
-from isolate._autograd import Losses, Walk, check_losses, walk
+from isolate._autograd import Losses, Walk, check_losses, refuse_raising, walk
 from isolate._checkpointing import recomputing
 from isolate._rerun_safety import recompute_safe
 from isolate._selectors import Selector, check_module, select
@@ -349,6 +349,7 @@ def _cut_off(
         )
     excused = _check_expected(model, expected_unused, caller)
     found = walk(outputs, caller)
+    refuse_raising(found, caller, walk_only=True)
     check_leaves(found, [model], caller)  # FSDP2 temporaries -> their parameters, or refuse
     named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
     missing = [(n, p) for n, p in named if id(p) not in found.leaves]
@@ -414,7 +415,8 @@ def cut_off_parameters(
         IsolationTypeError: an argument has the wrong type.
         SelectorError: an ``expected_unused`` selector matches no parameter.
         BlindSpotError: as :func:`isolate.reachability.reachable_parameters`: a reentrant checkpoint
-            cannot be re-run, or a compiled region's backward graph cannot be read.
+            cannot be re-run, a compiled region's backward graph cannot be read, or the graph
+            runs through a node whose backward raises.
 
     Note:
         Reachability is structural: a parameter with an exactly zero gradient through a

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 import isolate
 from isolate import assert_isolated, freeze, gradient_report
@@ -20,7 +19,7 @@ from isolate.cutoff import cut_off_parameters
 from isolate.errors import BlindSpotError, IsolationTypeError, SelectorError, ShardedGraphError
 from isolate.gradients import GradientReport, gradient_invariance
 from isolate.reachability import reachable_parameters
-from tests.toolkit._shared import Net, X
+from tests.toolkit._shared import Net, TanhOnce, X
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -773,21 +772,6 @@ def test_a_report_where_no_loss_reaches_any_parameter_has_every_value_undefined(
     assert report["encoder"].size == "frozen (112)"
 
 
-class _TanhOnce(torch.autograd.Function):
-    """tanh whose backward cannot itself be differentiated."""
-
-    @staticmethod
-    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a)
-        return a.tanh()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (a,) = ctx.saved_tensors
-        return grad * (1 - a.tanh() ** 2)
-
-
 def test_a_gradient_penalty_through_a_once_differentiable_function_is_refused() -> None:
     """Differentiating its backward again leads to a node that raises, whose edges go to
     stand-in leaves: autograd.grad returns the other paths' part of the gradient only."""
@@ -796,7 +780,7 @@ def test_a_gradient_penalty_through_a_once_differentiable_function_is_refused() 
     x = torch.randn(2, 3, requires_grad=True)
     (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
     main = g.pow(2).sum()
-    (g,) = torch.autograd.grad(model[2](_TanhOnce.apply(model[0](x))).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(model[2](TanhOnce.apply(model[0](x))).sum(), x, create_graph=True)
     penalty = g.pow(2).sum()
     assert penalty.item() == pytest.approx(main.item())
     (partial,) = torch.autograd.grad(penalty, model[2].weight, retain_graph=True, allow_unused=True)
