@@ -339,6 +339,12 @@ def _cut_off(
     caller: str,
 ) -> CutOff:
     if isinstance(losses, Mapping):
+        bad = [(key, type(t).__name__) for key, t in losses.items() if not torch.is_tensor(t)]
+        if bad:
+            raise IsolationTypeError(
+                f"{caller}: every loss must be a torch.Tensor; got {bad[0][1]} under "
+                f"{bad[0][0]!r}; pass only the loss tensors (not metrics, not loss.item())"
+            )
         losses = list(losses.values())
     outputs = check_losses(losses, caller)
     check_module(model, caller)

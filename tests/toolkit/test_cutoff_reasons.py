@@ -218,6 +218,20 @@ def test_a_trace_of_the_wrong_type_is_named() -> None:
 # What the cut-off audits cannot see, they refuse in their own name
 
 
+def test_a_mapping_of_losses_that_holds_no_tensor_names_its_key() -> None:
+    """A forward that returns its metrics beside the loss: the key, not an index, is named."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    x = torch.randn(2, 3)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^assert_reached\(\): every loss must be a torch\.Tensor; got float under "
+        r"'accuracy'; pass only the loss tensors \(not metrics, not loss\.item\(\)\)$",
+    ):
+        assert_reached({"loss": model(x).sum(), "accuracy": 0.5}, model)
+    with pytest.raises(IsolationTypeError, match=r"^cut_off_parameters\(\): .* tuple under 'h'"):
+        cut_off_parameters({"loss": model(x).sum(), "h": (model[0](x),)}, model)
+
+
 def test_a_segment_that_cannot_be_re_run_is_refused_in_the_callers_name() -> None:
     lin = nn.Linear(3, 3)
     out = freed_checkpoint(lin)
