@@ -58,6 +58,8 @@ class _Call:
     checkpoint: Node | None = None
     checkpoint_inputs_grad: bool = False
     outputs: list[Node | torch.Tensor] = field(default_factory=list)
+    # whether the output held any tensor the trace could find, graph or not
+    returned_tensors: bool = False
 
     def reaches(self, found: Walk) -> bool:
         return any(
@@ -145,6 +147,7 @@ class ForwardTrace:
             return
         call = pending.pop()
         for t in _tensors(output):
+            call.returned_tensors = True
             if t.grad_fn is not None:
                 call.outputs.append(t.grad_fn)
             elif t.requires_grad:
@@ -306,6 +309,12 @@ def _diagnose(
         return (
             f"{shown} ran and its output reaches the loss, but not through this parameter "
             f"(read through .detach() or .data, or not used in forward)"
+        )
+    if all(c.returned_tensors and not c.outputs for c in calls):
+        return (
+            f"{shown} ran with grad enabled, but its output carries no graph: this parameter "
+            f"is not used in its forward (or is read through .detach() or .data), and what "
+            f"it uses is frozen"
         )
     text = (
         f"{shown} ran, but its output does not reach the loss: it is detached "

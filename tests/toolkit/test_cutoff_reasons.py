@@ -81,6 +81,34 @@ def test_a_loss_without_graph_is_explained_by_the_trace() -> None:
     )
 
 
+class UnusedBesideFrozen(nn.Module):
+    """A frozen layer does the work; a trainable parameter beside it is never read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).requires_grad_(False)
+        self.extra = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("head_trains", [True, False])
+def test_a_module_whose_output_carries_no_graph_is_not_called_detached(head_trains: bool) -> None:
+    model = nn.ModuleDict({"a": UnusedBesideFrozen(), "b": nn.Linear(3, 1)})
+    model["b"].requires_grad_(head_trains)
+    with trace_forward(model) as trace:
+        loss = model["b"](model["a"](torch.randn(2, 3))).sum()
+    assert loss.requires_grad is head_trains
+    cut = cut_off_parameters(loss, model, trace=trace)
+    assert list(cut.parameters) == ["a.extra"]
+    assert cut.parameters["a.extra"] == (
+        "'a' (UnusedBesideFrozen) ran with grad enabled, but its output carries no graph: "
+        "this parameter is not used in its forward (or is read through .detach() or .data), "
+        "and what it uses is frozen"
+    )
+
+
 class ReturnsItsWeight(nn.Module):
     """Returns one of its parameters as is (a leaf), and never reads the other."""
 
