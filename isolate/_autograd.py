@@ -6,7 +6,7 @@ Nothing is computed and nothing is freed: the graph stays intact for the real ba
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -23,7 +23,10 @@ from isolate.errors import BlindSpotError, IsolationTypeError, ShardedGraphError
 __all__ = [
     "Losses",
     "Walk",
+    "check_loss_mapping",
     "check_losses",
+    "check_real",
+    "check_scalar",
     "gradients_of",
     "graph_inputs",
     "node_name",
@@ -145,6 +148,36 @@ def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
         f"{caller}: loss must be a torch.Tensor or a sequence of tensors, got "
         f"{type(losses).__name__}; pass the loss tensor itself (not loss.item())"
     )
+
+
+def check_loss_mapping(losses: Mapping[str, object], caller: str) -> list[torch.Tensor]:
+    """The losses of a mapping, refusing one that is not a tensor by its key."""
+    bad = [(key, type(t).__name__) for key, t in losses.items() if not torch.is_tensor(t)]
+    if bad:
+        raise IsolationTypeError(
+            f"{caller}: every loss must be a torch.Tensor; got {bad[0][1]} under "
+            f"{bad[0][0]!r}; pass only the loss tensors (not metrics, not loss.item())"
+        )
+    return list(losses.values())  # type: ignore[arg-type]
+
+
+def check_real(what: str, loss: torch.Tensor, caller: str) -> None:
+    """Refuse a complex loss: autograd differentiates real losses only."""
+    if loss.is_complex():
+        raise IsolationTypeError(
+            f"{caller}: {what} must be a real scalar tensor, got a {str(loss.dtype)[6:]} "
+            f"scalar; take its real part or its absolute value first (e.g. .abs())"
+        )
+
+
+def check_scalar(what: str, loss: object, caller: str) -> None:
+    """Refuse a loss that is not a real scalar tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"shape {tuple(loss.shape)}" if torch.is_tensor(loss) else type(loss).__name__
+        raise IsolationTypeError(
+            f"{caller}: {what} must be a scalar tensor, got {got}; reduce it first (e.g. .mean())"
+        )
+    check_real(what, loss, caller)
 
 
 def walk(

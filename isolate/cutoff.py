@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
-from isolate._autograd import Losses, Walk, check_losses, refuse_raising, walk
+from isolate._autograd import Losses, Walk, check_loss_mapping, check_losses, refuse_raising, walk
 from isolate._checkpointing import recomputing
 from isolate._rerun_safety import recompute_safe
 from isolate._selectors import Selector, check_module, select
@@ -58,8 +58,7 @@ class _Call:
     checkpoint: Node | None = None
     checkpoint_inputs_grad: bool = False
     outputs: list[Node | torch.Tensor] = field(default_factory=list)
-    # whether the output held any tensor the trace could find, graph or not
-    returned_tensors: bool = False
+    returned_tensors: bool = False  # any tensor found in the output, with a graph or not
 
     def reaches(self, found: Walk) -> bool:
         return any(
@@ -348,13 +347,7 @@ def _cut_off(
     caller: str,
 ) -> CutOff:
     if isinstance(losses, Mapping):
-        bad = [(key, type(t).__name__) for key, t in losses.items() if not torch.is_tensor(t)]
-        if bad:
-            raise IsolationTypeError(
-                f"{caller}: every loss must be a torch.Tensor; got {bad[0][1]} under "
-                f"{bad[0][0]!r}; pass only the loss tensors (not metrics, not loss.item())"
-            )
-        losses = list(losses.values())
+        losses = check_loss_mapping(losses, caller)
     outputs = check_losses(losses, caller)
     check_module(model, caller)
     if trace is not None and not isinstance(trace, ForwardTrace):
