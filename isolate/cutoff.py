@@ -311,9 +311,9 @@ def _diagnose(
         )
     if all(c.returned_tensors and not c.outputs for c in calls):
         return (
-            f"{shown} ran with grad enabled, but its output carries no graph: this parameter "
-            f"is not used in its forward (or is read through .detach() or .data), and what "
-            f"it uses is frozen"
+            f"{shown} ran with grad enabled, but its output carries no graph: its forward "
+            f"does not use this parameter, reads it through .detach() or .data, or detaches "
+            f"what it returns"
         )
     text = (
         f"{shown} ran, but its output does not reach the loss: it is detached "

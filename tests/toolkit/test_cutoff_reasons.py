@@ -104,8 +104,8 @@ def test_a_module_whose_output_carries_no_graph_is_not_called_detached(head_trai
     assert list(cut.parameters) == ["a.extra"]
     assert cut.parameters["a.extra"] == (
         "'a' (UnusedBesideFrozen) ran with grad enabled, but its output carries no graph: "
-        "this parameter is not used in its forward (or is read through .detach() or .data), "
-        "and what it uses is frozen"
+        "its forward does not use this parameter, reads it through .detach() or .data, or "
+        "detaches what it returns"
     )
 
 
