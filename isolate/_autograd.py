@@ -6,7 +6,7 @@ Nothing is computed and nothing is freed: the graph stays intact for the real ba
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -18,9 +18,21 @@ from isolate._checkpointing import differentiate
 from isolate._compiled import compiled_in
 from isolate._seethrough import SeeThrough
 from isolate._sharding import check_leaves, is_flat_parameter, sharded_view
-from isolate.errors import IsolationTypeError, ShardedGraphError
+from isolate.errors import BlindSpotError, IsolationTypeError, ShardedGraphError
 
-__all__ = ["Losses", "Walk", "check_losses", "gradients_of", "graph_inputs", "node_name", "walk"]
+__all__ = [
+    "Losses",
+    "Walk",
+    "check_loss_mapping",
+    "check_losses",
+    "check_real",
+    "check_scalar",
+    "gradients_of",
+    "graph_inputs",
+    "node_name",
+    "refuse_raising",
+    "walk",
+]
 
 T = TypeVar("T", bound=torch.Tensor)
 
@@ -55,6 +67,13 @@ _LAYOUT_OPS = frozenset(
 )
 
 
+# Nodes whose backward only raises: a Function marked ``@once_differentiable`` differentiated
+# again (its edges go to stand-in leaves, not to what the backward used), or a derivative
+# torch does not implement.
+_STAND_INS = "torch::autograd::Error"
+_RAISING = frozenset({_STAND_INS, "torch::autograd::NotImplemented"})
+
+
 def node_name(node: Node) -> str:
     return node.name().removeprefix("torch::autograd::")
 
@@ -70,6 +89,8 @@ class Walk:
     # every node seen -> the node it was first reached from (None for the outputs' own nodes).
     # Holding the node objects also keeps their Python wrappers alive, so identity is stable.
     parent: dict[Node, Node | None] = field(default_factory=dict)
+    # nodes whose backward raises, in the order found
+    raising: list[Node] = field(default_factory=list)
 
     def path(self, node: Node) -> list[str]:
         """Node names from an output down to ``node`` along the first-found route."""
@@ -129,6 +150,36 @@ def check_losses(losses: object, caller: str) -> list[torch.Tensor]:
     )
 
 
+def check_loss_mapping(losses: Mapping[str, object], caller: str) -> list[torch.Tensor]:
+    """The losses of a mapping, refusing one that is not a tensor by its key."""
+    bad = [(key, type(t).__name__) for key, t in losses.items() if not torch.is_tensor(t)]
+    if bad:
+        raise IsolationTypeError(
+            f"{caller}: every loss must be a torch.Tensor; got {bad[0][1]} under "
+            f"{bad[0][0]!r}; pass only the loss tensors (not metrics, not loss.item())"
+        )
+    return list(losses.values())  # type: ignore[arg-type]
+
+
+def check_real(what: str, loss: torch.Tensor, caller: str) -> None:
+    """Refuse a complex loss: autograd differentiates real losses only."""
+    if loss.is_complex():
+        raise IsolationTypeError(
+            f"{caller}: {what} must be a real scalar tensor, got a {str(loss.dtype)[6:]} "
+            f"scalar; take its real part or its absolute value first (e.g. .abs())"
+        )
+
+
+def check_scalar(what: str, loss: object, caller: str) -> None:
+    """Refuse a loss that is not a real scalar tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"shape {tuple(loss.shape)}" if torch.is_tensor(loss) else type(loss).__name__
+        raise IsolationTypeError(
+            f"{caller}: {what} must be a scalar tensor, got {got}; reduce it first (e.g. .mean())"
+        )
+    check_real(what, loss, caller)
+
+
 def walk(
     outputs: Sequence[torch.Tensor],
     caller: str,
@@ -167,6 +218,8 @@ def walk(
         if variable is not None:  # the end of a path
             found.leaves[id(variable)] = variable
             continue
+        if node.name() in _RAISING:
+            found.raising.append(node)
         if stop is not None and stop(node):
             continue
         for child, output in see.edges(node):
@@ -182,6 +235,34 @@ def walk(
             elif widened:  # a compiled region reached through another of its outputs
                 queue.append(child)
     return found
+
+
+def refuse_raising(found: Walk, caller: str, *, walk_only: bool = False) -> None:
+    """Refuse a graph that runs through a node whose backward raises.
+
+    A real backward of the loss fails there, and ``autograd.grad`` returns the other paths'
+    part of a gradient as if it were all of it. With ``walk_only=True`` (an audit that only
+    walks the graph) a derivative torch does not implement passes, since its edges are
+    those of the operation; a ``@once_differentiable`` Function's do not: they go to
+    stand-in leaves, and what lies behind it looks unreached.
+
+    Raises:
+        BlindSpotError: naming the node and the operation it is reached from.
+    """
+    nodes = [n for n in found.raising if not walk_only or n.name() == _STAND_INS]
+    if not nodes:
+        return
+    node = nodes[0]
+    before = found.parent[node]
+    consumer = f" (consumed by {node_name(before)})" if before is not None else ""
+    raise BlindSpotError(
+        f"{caller}: the loss's graph runs through {node.name()}{consumer}, whose backward "
+        f"raises (a Function marked @once_differentiable, differentiated again, or a "
+        f"derivative torch does not implement): a real backward fails there, and what lies "
+        f"behind it cannot be measured. Fix: give the Function a backward that is itself "
+        f"differentiable, or leave its gradient out of the loss (no create_graph=True "
+        f"through it)"
+    )
 
 
 def graph_inputs(
@@ -200,12 +281,16 @@ def graph_inputs(
 
     Raises:
         ShardedGraphError: as :func:`check_leaves`.
+        BlindSpotError: the graph runs through a node whose backward raises: a real backward
+            fails there, and ``autograd.grad`` returns the other paths' part only.
     """
     view = sharded_view(roots, caller)
     flat_model = any(is_flat_parameter(p) for r in roots for p in r.parameters())
     outputs = [t for t in losses if t.requires_grad]
     if outputs:
-        check_leaves(walk(outputs, caller), roots, caller, view=view, tensors=params)
+        found = walk(outputs, caller)
+        refuse_raising(found, caller)
+        check_leaves(found, roots, caller, view=view, tensors=params)
     if flat_model:
         raise ShardedGraphError(
             f"{caller}: the model holds FSDP1 FlatParameters (FullyShardedDataParallel): the "

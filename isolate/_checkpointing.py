@@ -412,8 +412,8 @@ def differentiate(
     backward would write to its ``.grad``.
 
     Raises:
-        BlindSpotError: a segment cannot be re-run (see :func:`recompute`), or part of the
-            graph was freed by a backward.
+        BlindSpotError: a segment cannot be re-run (see :func:`recompute`), part of the
+            graph was freed by a backward, or a tensor it saved was changed in place.
     """
     try:
         if not _reentrant_in([loss]):
@@ -424,6 +424,13 @@ def differentiate(
         finally:
             session.close()
     except RuntimeError as error:
+        if "modified by an inplace operation" in str(error):
+            raise BlindSpotError(
+                f"{caller}: a tensor the loss's graph saved was changed in place since the "
+                f"forward (an optimizer.step(), an in-place operation), so its gradients cannot "
+                f"be computed: {str(error).partition(' Hint:')[0]} Fix: run the audit before "
+                f"the optimizer step, or on the loss of a new forward"
+            ) from error
         if "backward through the graph a second time" not in str(error):
             raise
         raise BlindSpotError(

@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils.checkpoint import CheckpointFunction
 
-from isolate._autograd import Losses, Walk, check_losses, walk
+from isolate._autograd import Losses, Walk, check_loss_mapping, check_losses, refuse_raising, walk
 from isolate._checkpointing import recomputing
 from isolate._rerun_safety import recompute_safe
 from isolate._selectors import Selector, check_module, select
@@ -58,6 +58,7 @@ class _Call:
     checkpoint: Node | None = None
     checkpoint_inputs_grad: bool = False
     outputs: list[Node | torch.Tensor] = field(default_factory=list)
+    returned_tensors: bool = False  # any tensor found in the output, with a graph or not
 
     def reaches(self, found: Walk) -> bool:
         return any(
@@ -145,6 +146,7 @@ class ForwardTrace:
             return
         call = pending.pop()
         for t in _tensors(output):
+            call.returned_tensors = True
             if t.grad_fn is not None:
                 call.outputs.append(t.grad_fn)
             elif t.requires_grad:
@@ -265,6 +267,10 @@ _GENERIC = (
     "trace= to be told which"
 )
 
+_NO_GRAPH = (
+    "no loss has a graph (computed under torch.no_grad(), detached, or from frozen parameters only)"
+)
+
 
 def _diagnose(
     owners: list[tuple[str, nn.Module]],
@@ -303,6 +309,12 @@ def _diagnose(
             f"{shown} ran and its output reaches the loss, but not through this parameter "
             f"(read through .detach() or .data, or not used in forward)"
         )
+    if all(c.returned_tensors and not c.outputs for c in calls):
+        return (
+            f"{shown} ran with grad enabled, but its output carries no graph: its forward "
+            f"does not use this parameter, reads it through .detach() or .data, or detaches "
+            f"what it returns"
+        )
     text = (
         f"{shown} ran, but its output does not reach the loss: it is detached "
         f"(stop_gradient, .detach(), Detached) on the way, or feeds a loss that is not "
@@ -335,7 +347,7 @@ def _cut_off(
     caller: str,
 ) -> CutOff:
     if isinstance(losses, Mapping):
-        losses = list(losses.values())
+        losses = check_loss_mapping(losses, caller)
     outputs = check_losses(losses, caller)
     check_module(model, caller)
     if trace is not None and not isinstance(trace, ForwardTrace):
@@ -345,6 +357,7 @@ def _cut_off(
         )
     excused = _check_expected(model, expected_unused, caller)
     found = walk(outputs, caller)
+    refuse_raising(found, caller, walk_only=True)
     check_leaves(found, [model], caller)  # FSDP2 temporaries -> their parameters, or refuse
     named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
     missing = [(n, p) for n, p in named if id(p) not in found.leaves]
@@ -367,15 +380,12 @@ def _cut_off(
         if id(p) in excused:
             expected.append(name)
             continue
-        if no_graph:
-            parameters[name] = (
-                "no loss has a graph (computed under torch.no_grad(), detached, or from "
-                "frozen parameters only)"
-            )
-        else:
-            if id(p) not in reasons:
-                reasons[id(p)] = _diagnose(owners.get(id(p), []), trace, found, entries)
-            parameters[name] = reasons[id(p)]
+        if id(p) not in reasons:
+            reason = _diagnose(owners.get(id(p), []), trace, found, entries)
+            # The trace tells why a loss has no graph (a reentrant checkpoint, no_grad);
+            # without it, that there is none is all that can be said.
+            reasons[id(p)] = _NO_GRAPH if no_graph and reason == _GENERIC else reason
+        parameters[name] = reasons[id(p)]
     return CutOff(parameters, tuple(expected), trainable=len(named))
 
 
@@ -413,7 +423,8 @@ def cut_off_parameters(
         IsolationTypeError: an argument has the wrong type.
         SelectorError: an ``expected_unused`` selector matches no parameter.
         BlindSpotError: as :func:`isolate.reachability.reachable_parameters`: a reentrant checkpoint
-            cannot be re-run, or a compiled region's backward graph cannot be read.
+            cannot be re-run, a compiled region's backward graph cannot be read, or the graph
+            runs through a node whose backward raises.
 
     Note:
         Reachability is structural: a parameter with an exactly zero gradient through a

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isolate._autograd import gradients_of, graph_inputs
+from isolate._autograd import check_real, check_scalar, gradients_of, graph_inputs
 from isolate._protected import Protected, resolve_named
 from isolate._selectors import check_module, select
 from isolate._sharding import roots_of
@@ -199,7 +199,7 @@ def _dense_rows(column: list[torch.Tensor | None], p: nn.Parameter) -> torch.Ten
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are made dense, which costs what the
     parameter itself costs; half-precision ones are widened to float32, where their products
-    are exact and their sums cannot overflow.
+    are exact and their sums cannot overflow. A complex one is its real and imaginary parts.
     """
     flat = []
     for g in column:
@@ -207,8 +207,8 @@ def _dense_rows(column: list[torch.Tensor | None], p: nn.Parameter) -> torch.Ten
             g = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif g.layout != torch.strided:
             g = g.to_dense()
-        flat.append(g.reshape(-1))
-    rows = torch.stack(flat)
+        flat.append(torch.view_as_real(g.resolve_conj()) if g.is_complex() else g)
+    rows = torch.stack(flat).reshape(len(flat), -1)
     if rows.dtype in (torch.float16, torch.bfloat16):
         rows = rows.float()
     return rows
@@ -321,22 +321,24 @@ def gradient_report(
         A :class:`GradientReport`; ``print(report)`` shows the table.
 
     Raises:
-        IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
+        IsolationTypeError: a loss is not a real scalar tensor, or an argument has the wrong type.
         SelectorError: a group's selector matches no parameter.
-        BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed, or a
-            compiled backward reuses its saved buffers (torch refuses to keep the graph).
+        BlindSpotError: a checkpointed segment cannot be re-run, the graph was freed or
+            changed in place, a compiled backward reuses its saved buffers (torch refuses to
+            keep the graph), or a node of it raises in backward (``@once_differentiable``).
 
     Note:
         Shares are of the *squared* norm, so they add up to 1 over non-overlapping groups. A
         norm of ``0.0`` (a path exists, the gradient along it is zero) and ``-`` (no path at
         all) are different answers: only the second one is isolation. A cosine is ``None``
-        (``-``) unless some parameter of the group is reached by both losses. Products are
-        taken in one K x K matmul per parameter, in float32 for float16/bfloat16 gradients
-        (exact products, no overflow), in float64 where float32 would overflow, and summed
-        in float64: norms and cosines are good to about 7 significant digits; for exact
-        comparisons use :func:`gradient_invariance`. Sparse gradients
-        (``nn.Embedding(sparse=True)``) are made dense one parameter at a time. Frozen
-        parameters are listed under ``frozen``, so a frozen group prints ``frozen (n)``.
+        (``-``) unless some parameter of the group is reached by both losses. Products are taken
+        in one K x K matmul per parameter, in float32 for float16/bfloat16 gradients (exact
+        products, no overflow), in float64 where float32 would overflow, and summed in float64:
+        norms and cosines are good to about 7 significant digits; for exact comparisons use
+        :func:`gradient_invariance`. Sparse gradients (``nn.Embedding(sparse=True)``) are made
+        dense one parameter at a time; a complex gradient counts as its real and imaginary
+        parts, as a vector of twice the length. Frozen parameters are listed under ``frozen``,
+        so a frozen group prints ``frozen (n)``.
 
     >>> model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     >>> x = torch.randn(4, 3)
@@ -364,6 +366,7 @@ def gradient_report(
                 f"{caller}: loss {key!r} must be a scalar tensor, got {got}; reduce it first "
                 f"(e.g. .mean())"
             )
+        check_real(f"loss {key!r}", loss, caller)
     members = _group_members(model, groups, caller)
     everything = list(model.named_parameters())
     params = list({id(p): p for _, p in everything if p.requires_grad}.values())
@@ -455,7 +458,7 @@ def gradient_invariance(
         A :class:`GradientInvariance` with the per-name and overall max |delta|.
 
     Raises:
-        IsolationTypeError: a loss is not a scalar tensor, or an argument has the wrong type.
+        IsolationTypeError: a loss is not a real scalar tensor, or an argument has the wrong type.
         SelectorError: ``protected`` names no parameter, or a selector matches nothing.
         BlindSpotError: as :func:`gradient_report`.
 
@@ -475,13 +478,7 @@ def gradient_invariance(
     """
     caller = "gradient_invariance()"
     for what, loss in (("main_loss", main_loss), ("total_loss", total_loss)):
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            is_tensor = isinstance(loss, torch.Tensor)
-            got = f"shape {tuple(loss.shape)}" if is_tensor else type(loss).__name__
-            raise IsolationTypeError(
-                f"{caller}: {what} must be a scalar tensor, got {got}; reduce it first "
-                f"(e.g. .mean())"
-            )
+        check_scalar(what, loss, caller)
     named = resolve_named(protected, model, caller)
     trainable = list({id(e.tensor): e.tensor for e in named if e.tensor.requires_grad}.values())
     losses = [main_loss, total_loss]  # FSDP2: differentiate the unsharded temporaries

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from isolate._autograd import Losses, check_losses, walk
+from isolate._autograd import Losses, check_losses, refuse_raising, walk
 from isolate._protected import Protected, resolve_named
 from isolate._selectors import check_module
 from isolate._sharding import check_leaves, roots_of
@@ -43,8 +43,9 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
             cannot map back (FSDP1 flat parameters, views of a hidden leaf); FSDP2
             (``fully_shard``) temporaries are mapped to their sharded parameters.
         BlindSpotError: a reentrant checkpoint's segment cannot be re-run (its saved inputs
-            were freed by a backward, or it fails), or a compiled region's backward graph
-            cannot be read.
+            were freed by a backward, or it fails), a compiled region's backward graph
+            cannot be read, or the graph runs through a node whose backward raises (a
+            Function marked ``@once_differentiable`` in a gradient penalty).
 
     Note:
         Reachability is structural: an edge in the graph counts even when the gradient along
@@ -72,6 +73,7 @@ def reachable_parameters(loss: Losses, model: nn.Module) -> tuple[str, ...]:
     outputs = check_losses(loss, caller)
     check_module(model, caller)
     found = walk(outputs, caller)
+    refuse_raising(found, caller, walk_only=True)
     check_leaves(found, [model], caller)  # FSDP2 temporaries -> their parameters, or refuse
     return tuple(
         name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in found.leaves
@@ -107,6 +109,7 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
             ``protected`` names no parameter at all (an exhausted generator, say).
         ShardedGraphError: as :func:`reachable_parameters`; also sharded parameters passed
             without ``model=`` and outside the modules passed.
+        BlindSpotError: as :func:`reachable_parameters`.
 
     Note:
         A loss without ``grad_fn`` passes trivially: check that it was not computed under
@@ -127,6 +130,7 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
     outputs = check_losses(loss, caller)
     named = resolve_named(protected, model, caller)
     found = walk(outputs, caller)
+    refuse_raising(found, caller, walk_only=True)
     tensors = [entry.tensor for entry in named]
     check_leaves(found, roots_of(protected, model), caller, tensors=tensors)
     leaked = [entry for entry in named if id(entry.tensor) in found.leaves]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 
@@ -126,3 +128,18 @@ def freed_checkpoint(lin: nn.Module) -> torch.Tensor:
     with pytest.raises(RuntimeError):  # brute force cannot answer either
         torch.autograd.grad(out, list(lin.parameters()))
     return out
+
+
+class TanhOnce(torch.autograd.Function):
+    """tanh whose backward cannot itself be differentiated."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a.tanh()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors
+        return grad * (1 - a.tanh() ** 2)

@@ -43,6 +43,72 @@ def test_a_checkpoint_whose_inputs_required_grad_is_told_apart() -> None:
     )
 
 
+class CheckpointedAdapter(nn.Module):
+    """Frozen embedding and head around a trainable adapter in a reentrant checkpoint: the
+    checkpoint's input does not require grad, so the loss has no graph at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4).requires_grad_(False)
+        self.adapter = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1).requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.adapter, self.embed(tokens), use_reentrant=True)
+        return self.head(h).sum()
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_a_loss_without_graph_is_explained_by_the_trace() -> None:
+    model = CheckpointedAdapter()
+    with trace_forward(model) as trace:
+        loss = model(torch.tensor([1, 2, 3]))
+    assert not loss.requires_grad  # loss.backward() would raise
+    cut = cut_off_parameters(loss, model, trace=trace)
+    assert list(cut.parameters) == ["adapter.weight", "adapter.bias"]
+    assert cut.parameters["adapter.weight"] == (
+        "'adapter' (Linear) ran inside a reentrant checkpoint whose inputs do not require "
+        "grad, so the segment's output carries no graph. Fix: make the segment's input "
+        "require grad (x.requires_grad_(); in transformers, model.enable_input_require_grads()) "
+        "or use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+    )
+    with trace_forward(model) as trace, torch.no_grad():
+        loss = model.head(model.adapter(model.embed(torch.tensor([1]))))
+    reason = cut_off_parameters(loss, model, trace=trace).parameters["adapter.bias"]
+    assert reason.startswith("'adapter' (Linear) ran with gradient tracking off")
+    assert (
+        cut_off_parameters(loss, model).parameters["adapter.bias"].startswith("no loss has a graph")
+    )
+
+
+class UnusedBesideFrozen(nn.Module):
+    """A frozen layer does the work; a trainable parameter beside it is never read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).requires_grad_(False)
+        self.extra = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("head_trains", [True, False])
+def test_a_module_whose_output_carries_no_graph_is_not_called_detached(head_trains: bool) -> None:
+    model = nn.ModuleDict({"a": UnusedBesideFrozen(), "b": nn.Linear(3, 1)})
+    model["b"].requires_grad_(head_trains)
+    with trace_forward(model) as trace:
+        loss = model["b"](model["a"](torch.randn(2, 3))).sum()
+    assert loss.requires_grad is head_trains
+    cut = cut_off_parameters(loss, model, trace=trace)
+    assert list(cut.parameters) == ["a.extra"]
+    assert cut.parameters["a.extra"] == (
+        "'a' (UnusedBesideFrozen) ran with grad enabled, but its output carries no graph: "
+        "its forward does not use this parameter, reads it through .detach() or .data, or "
+        "detaches what it returns"
+    )
+
+
 class ReturnsItsWeight(nn.Module):
     """Returns one of its parameters as is (a leaf), and never reads the other."""
 
@@ -178,6 +244,20 @@ def test_a_trace_of_the_wrong_type_is_named() -> None:
 
 # --------------------------------------------------------------------------------------------
 # What the cut-off audits cannot see, they refuse in their own name
+
+
+def test_a_mapping_of_losses_that_holds_no_tensor_names_its_key() -> None:
+    """A forward that returns its metrics beside the loss: the key, not an index, is named."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    x = torch.randn(2, 3)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^assert_reached\(\): every loss must be a torch\.Tensor; got float under "
+        r"'accuracy'; pass only the loss tensors \(not metrics, not loss\.item\(\)\)$",
+    ):
+        assert_reached({"loss": model(x).sum(), "accuracy": 0.5}, model)
+    with pytest.raises(IsolationTypeError, match=r"^cut_off_parameters\(\): .* tuple under 'h'"):
+        cut_off_parameters({"loss": model(x).sum(), "h": (model[0](x),)}, model)
 
 
 def test_a_segment_that_cannot_be_re_run_is_refused_in_the_callers_name() -> None:

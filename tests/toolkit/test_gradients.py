@@ -19,7 +19,7 @@ from isolate.cutoff import cut_off_parameters
 from isolate.errors import BlindSpotError, IsolationTypeError, SelectorError, ShardedGraphError
 from isolate.gradients import GradientReport, gradient_invariance
 from isolate.reachability import reachable_parameters
-from tests.toolkit._shared import Net, X
+from tests.toolkit._shared import Net, TanhOnce, X
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -223,6 +223,33 @@ def test_invariance_with_sparse_gradients() -> None:
     result = gradient_invariance(main, main + leak, bag.embed)
     (g,) = torch.autograd.grad(leak, bag.embed.weight, retain_graph=True)
     assert result.max_delta == pytest.approx(float(g.to_dense().abs().max()), rel=1e-6)
+
+
+def test_report_on_complex_parameters_measures_both_parts_of_each_gradient() -> None:
+    """A complex gradient is a vector of twice as many reals: |g|^2 sums |g_i|^2 and the
+    cosine is that of the real vectors, never above 1."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+    model = nn.ParameterDict({"p": p, "q": nn.Parameter(torch.randn(2))})
+    z = torch.randn(4, dtype=torch.cfloat)
+    losses = {
+        "a": (p * z).abs().sum() + model["q"].sum(),
+        "b": (p.conj() * p).real.sum() + (p * 1j).real.sum(),
+        "c": p.conj().sum().real,
+    }
+    a, b, c = (torch.autograd.grad(loss, p, retain_graph=True)[0] for loss in losses.values())
+    assert c.is_conj()  # a lazy conjugate, which view_as_real refuses unresolved
+    ra, rb = (torch.view_as_real(g).double().flatten() for g in (a, b))
+    report = gradient_report(losses, model, groups={"p": "p"})
+    assert report["p"].norms == {
+        "a": pytest.approx(float(ra.norm()), rel=1e-6),
+        "b": pytest.approx(float(rb.norm()), rel=1e-6),
+        "c": 2.0,  # |1| in each of 4 places
+    }
+    cosine = float(ra @ rb) / float(ra.norm() * rb.norm())
+    assert report["p"].cosines[("a", "b")] == pytest.approx(cosine, rel=1e-6)
+    assert report["p"].shares["a"] == pytest.approx(float(ra @ ra) / (float(ra @ ra) + 2.0))
+    assert report["p"].shares["b"] == 1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -633,6 +660,29 @@ def test_invariance_names_the_shape_or_type_of_a_loss_that_is_no_scalar(net: Net
         gradient_invariance(main.sum(), 1.0, net)  # type: ignore[arg-type]
 
 
+def test_a_complex_scalar_loss_is_refused_by_the_report_and_the_invariance() -> None:
+    """autograd differentiates real losses only; a complex one crashed inside torch."""
+    p = nn.Parameter(torch.ones(3, dtype=torch.cfloat))
+    model = nn.ParameterDict({"p": p})
+    loss = (2 * p).sum()
+    with pytest.raises(RuntimeError, match="only for real scalar outputs"):
+        torch.autograd.grad(loss, p)  # the brute force
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^gradient_report\(\): loss 'c' must be a real scalar tensor, got a complex64 "
+        r"scalar; take its real part or its absolute value first \(e\.g\. \.abs\(\)\)$",
+    ):
+        gradient_report({"real": loss.real, "c": loss}, model)
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^gradient_invariance\(\): total_loss must be a real scalar tensor, got a "
+        r"complex64 scalar; take its real part or its absolute value first",
+    ):
+        gradient_invariance(loss.real, loss, model)
+    norms = gradient_report({"abs": loss.abs()}, model).total.norms
+    assert norms == {"abs": pytest.approx(2 * 3**0.5)}  # |2| in each of 3 places
+
+
 def test_a_nan_delta_after_a_finite_one_makes_the_max_delta_nan() -> None:
     first, second = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
     main = first.sum() + second.sum()
@@ -720,3 +770,65 @@ def test_a_report_where_no_loss_reaches_any_parameter_has_every_value_undefined(
     assert report.total.numel == 0 and report.total.norms == {"main": None, "constant": None}
     assert report.total.shares == {"main": None, "constant": None}
     assert report["encoder"].size == "frozen (112)"
+
+
+def test_a_gradient_penalty_through_a_once_differentiable_function_is_refused() -> None:
+    """Differentiating its backward again leads to a node that raises, whose edges go to
+    stand-in leaves: autograd.grad returns the other paths' part of the gradient only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(2, 3, requires_grad=True)
+    (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    main = g.pow(2).sum()
+    (g,) = torch.autograd.grad(model[2](TanhOnce.apply(model[0](x))).sum(), x, create_graph=True)
+    penalty = g.pow(2).sum()
+    assert penalty.item() == pytest.approx(main.item())
+    (partial,) = torch.autograd.grad(penalty, model[2].weight, retain_graph=True, allow_unused=True)
+    assert partial is None  # the trap: the penalty does depend on it
+    message = (
+        r"^gradient_report\(\): the loss's graph runs through "
+        r"torch::autograd::Error \(consumed by MmBackward0\), whose backward raises"
+    )
+    with pytest.raises(BlindSpotError, match=message):
+        gradient_report({"main": main, "penalty": penalty}, model)
+    with pytest.raises(BlindSpotError, match=r"^gradient_invariance\(\): the loss's graph runs"):
+        gradient_invariance(main, main + penalty, model[2])
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        penalty.backward()  # a real backward fails there too
+
+
+def test_a_report_through_a_derivative_torch_does_not_implement_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    log_probs = model(torch.randn(6, 2, 4)).log_softmax(-1)
+    lengths = torch.tensor([6, 6])
+    loss = nn.functional.ctc_loss(log_probs, torch.tensor([[1, 2], [3, 4]]), lengths, lengths // 3)
+    (g,) = torch.autograd.grad(loss, log_probs, create_graph=True)
+    penalty = g.pow(2).sum()
+    with pytest.raises(
+        BlindSpotError,
+        match=r"^gradient_report\(\): the loss's graph runs through "
+        r"torch::autograd::NotImplemented \(consumed by PowBackward0\), whose backward raises",
+    ):
+        gradient_report({"loss": loss, "penalty": penalty}, model)
+    assert reachable_parameters(penalty, model) == ("weight", "bias")  # an upper bound
+
+
+def test_a_report_after_an_optimizer_step_changed_saved_tensors_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    loss = model(torch.randn(2, 3)).pow(2).sum()
+    loss.backward(retain_graph=True)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)  # brute force
+    message = (
+        r"^gradient_report\(\): a tensor the loss's graph saved was changed in place since the "
+        r"forward \(an optimizer\.step\(\), an in-place operation\), so its gradients cannot be "
+        r"computed: one of the variables needed .* is at version 2; expected version 1 instead\. "
+        r"Fix: run the audit before the optimizer step, or on the loss of a new forward$"
+    )
+    with pytest.raises(BlindSpotError, match=message):
+        gradient_report({"main": loss}, model)
+    with pytest.raises(BlindSpotError, match=r"^gradient_invariance\(\): a tensor the loss's"):
+        gradient_invariance(loss, loss, model)

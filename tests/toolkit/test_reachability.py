@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from isolate import assert_isolated
+from isolate.cutoff import assert_reached, cut_off_parameters
 from isolate.errors import (
     BlindSpotError,
     GradientLeakError,
@@ -26,7 +27,7 @@ from isolate.errors import (
 )
 from isolate.gradients import gradient_invariance
 from isolate.reachability import reachable_parameters
-from tests.toolkit._shared import Net, X, freed_checkpoint
+from tests.toolkit._shared import Net, TanhOnce, X, freed_checkpoint
 from tests.toolkit.test_sharding import FlatViews
 
 
@@ -613,3 +614,27 @@ def test_a_segment_checkpointed_inside_a_segment_on_its_argument_reaches_what_fe
     assert reachable_parameters(loss, model) == names
     loss.backward()  # autograd.grad refuses reentrant checkpoints: a real backward
     assert tuple(n for n, p in model.named_parameters() if p.grad is not None) == names
+
+
+def test_a_graph_through_a_once_differentiable_function_is_refused_by_every_walk() -> None:
+    """Differentiated again, its backward leaves a node that raises and whose edges go to
+    stand-in leaves: the walk would read the layer behind it as unreached, and a real
+    backward fails there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    x = torch.randn(2, 3, requires_grad=True)
+    (g,) = torch.autograd.grad(model[1](TanhOnce.apply(model[0](x))).sum(), x, create_graph=True)
+    penalty = g.pow(2).sum()
+    (partial,) = torch.autograd.grad(penalty, model[1].weight, retain_graph=True, allow_unused=True)
+    assert partial is None  # autograd.grad cannot see past the node either
+    start = r"the loss's graph runs through torch::autograd::Error \(consumed by MmBackward0\), "
+    for name, audit in [
+        ("reachable_parameters", lambda: reachable_parameters(penalty, model)),
+        ("assert_isolated", lambda: assert_isolated(penalty, model[1])),
+        ("cut_off_parameters", lambda: cut_off_parameters(penalty, model)),
+        ("assert_reached", lambda: assert_reached(penalty, model)),
+    ]:
+        with pytest.raises(BlindSpotError, match=rf"^{name}\(\): {start}whose backward raises"):
+            audit()
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        penalty.backward()
