@@ -278,7 +278,7 @@ class IsolationCallback(Callback):
         losses = take_losses(pl_module)
         if self.print_ledger and self.ledger is None:
             self.ledger = print_ledger(trainer, pl_module, self.handle, losses, loss)
-        if self.handle.loop.checking and losses:
+        if self.handle.loop.checking and losses is not None:  # a zero loss is falsy
             check_named(pl_module, losses, self.spec.protect, _CALLER)
         self.handle.loop.before_backward(loss, losses if self.handle.loop.checking else None)
         if self.log_figures and self.handle.loop.checking and losses:

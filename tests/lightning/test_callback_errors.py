@@ -92,6 +92,37 @@ def test_isolation_losses_must_be_a_dict_of_tensors(tmp_path: Path) -> None:
     assert type(model.aux) is torch.nn.Sequential  # on_exception took the wrapper off
 
 
+@pytest.mark.parametrize(
+    ("shape", "shown"),
+    [
+        pytest.param("zero", r"tensor\(0\., grad_fn", id="a-lone-loss-that-is-zero"),
+        pytest.param("per-sample", r"tensor\(\[", id="a-lone-loss-per-sample"),
+    ],
+)
+def test_a_lone_loss_tensor_in_place_of_the_dict_is_refused_whatever_its_value(
+    tmp_path: Path, shape: str, shown: str
+) -> None:
+    class LoneLoss(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, z = batch
+            features = self.trunk(x)
+            per_sample = F.mse_loss(self.aux(features).squeeze(-1), z, reduction="none")
+            self.isolation_losses = per_sample.mean() * 0 if shape == "zero" else per_sample
+            return F.cross_entropy(self.head(features), y) + per_sample.mean()
+
+    model = LoneLoss()
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^IsolationCallback: LoneLoss.isolation_losses must be a dict of loss name -> "
+        r"loss tensor, got " + shown,
+    ):
+        trainer(tmp_path, [IsolationCallback(detach=["aux"], verify_every_n_steps=1)]).fit(
+            model, loader()
+        )
+    assert type(model.aux) is torch.nn.Sequential  # on_exception took the wrapper off
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_protect_names_a_loss_training_step_does_not_set(tmp_path: Path) -> None:
     callback = IsolationCallback(
         protect={"aux": ["trunk"], "decoder": ["trunk"]}, verify_every_n_steps=1
