@@ -21,7 +21,7 @@ from isolate.lightning.notices import (
     warn_on_norm_clipping,
     warn_unvalidated,
 )
-from isolate.lightning.preflight import check_validation, monitors, spec_of
+from isolate.lightning.preflight import check_validation, monitors, optimizers_of, spec_of
 from isolate.lightning.strategies import (
     applies_at_fit_start,
     check_trainer,
@@ -227,7 +227,7 @@ class IsolationCallback(Callback):
             return
         try:
             self.handle.attach(
-                trainer.optimizers,
+                optimizers_of(trainer, pl_module, self.spec, _CALLER),
                 [c.scheduler for c in trainer.lr_scheduler_configs],
                 built_before_apply=at_fit_start,  # configure_optimizers saw nothing frozen
             )
@@ -278,7 +278,7 @@ class IsolationCallback(Callback):
         losses = take_losses(pl_module)
         if self.print_ledger and self.ledger is None:
             self.ledger = print_ledger(trainer, pl_module, self.handle, losses, loss)
-        if self.handle.loop.checking and losses:
+        if self.handle.loop.checking and losses is not None:  # a zero loss is falsy
             check_named(pl_module, losses, self.spec.protect, _CALLER)
         self.handle.loop.before_backward(loss, losses if self.handle.loop.checking else None)
         if self.log_figures and self.handle.loop.checking and losses:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from isolate.errors import IsolationTypeError, SpecError
 from isolate.lightning._compat import package
 from isolate.spec import IsolationSpec
@@ -12,7 +14,7 @@ from isolate.spec import IsolationSpec
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["check_validation", "monitors", "spec_of"]
+__all__ = ["check_validation", "monitors", "optimizers_of", "spec_of"]
 
 
 def spec_of(spec: object, keywords: dict[str, Any], caller: str) -> IsolationSpec:
@@ -67,6 +69,28 @@ def check_validation(
         f"to stop improving, but this fit runs no validation ({why}), so they would never "
         f"thaw; log the metric in a validation_step and validate, or give them epoch= or step="
     )
+
+
+def optimizers_of(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, spec: IsolationSpec, caller: str
+) -> list[torch.optim.Optimizer]:
+    """The trainer's optimizers, without the placeholder Lightning steps when
+    ``configure_optimizers`` returns none (it holds no parameter and updates nothing: checked
+    or thawed into, it would prove nothing and train nothing).
+
+    Raises:
+        SpecError: the spec thaws groups, but ``configure_optimizers`` returned no optimizer.
+    """
+    found = [o for o in trainer.optimizers if package(o, "core.optimizer._MockOptimizer") is None]
+    if spec.thaw and not found:
+        raise SpecError(
+            f"{caller}: thaw groups {[str(t.name) for t in spec.thaw]} join an optimizer as "
+            f"they thaw, but {type(pl_module).__name__}.configure_optimizers returned none "
+            f"(Lightning steps a placeholder that updates nothing), so once thawed they would "
+            f"never learn; return the optimizer from configure_optimizers (under manual "
+            f"optimization, take it with self.optimizers())"
+        )
+    return found
 
 
 def _overrides(pl_module: pl.LightningModule, hook: str, caller: str) -> bool:

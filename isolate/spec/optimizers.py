@@ -443,6 +443,12 @@ class OptimizerLink:
                 options["initial_lr"] = float(lr)
         opt = self.optimizers[index]
         source = placement.source if index == placement.optimizer_idx else None
+        if lr is None and g.thaw.lr is None and source is not None:
+            now = opt.param_groups[source]
+            if "initial_lr" not in now:
+                # No base lr to scale by the schedule's progress (ReduceLROnPlateau keeps
+                # none, or the lr was changed by hand): the source's lr now, not at attach.
+                options["lr"] = now["lr"]
         group = add_group(opt, list(g.params.values()), options, self.schedulers, source=source)
         self._added[g.name] = (opt, group)
         if g.thaw.warmup_ratio is not None or g.thaw.align:

@@ -257,6 +257,60 @@ def test_thaw_without_lr_returns_to_the_settings_of_its_group(tmp_path: Path) ->
     assert [groups[1][k] for k in settings] == [groups[0][k] for k in settings] == [0.1, 0.5, 0.01]
 
 
+class Plateau(Net):
+    """Every parameter in one SGD group under ReduceLROnPlateau on a val_loss that never
+    improves: the lr halves after every validation but the first."""
+
+    def __init__(self) -> None:
+        super().__init__(all_params=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.tensor(1.0))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+
+class FlagsOnly(pl.Callback):
+    """The same training written by hand: the trunk stays in its group, frozen by its flags
+    (and its BatchNorm held in eval mode) until ``epoch``."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pl_module.trunk.requires_grad_(False)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.current_epoch >= self.epoch:
+            pl_module.trunk.requires_grad_(True)
+            pl_module.trunk[1].train()  # Lightning puts back the mode it saw before validation
+        else:
+            pl_module.trunk[1].eval()
+
+
+@pytest.mark.filterwarnings("ignore:.*took 6 frozen parameters out")
+def test_thaw_without_lr_joins_at_the_lr_reduce_on_plateau_has_brought_its_group_to(
+    tmp_path: Path,
+) -> None:
+    runs = {}
+    for name, callback in [
+        ("spec", IsolationCallback(freeze=["trunk"], thaw=[Thaw("trunk", epoch=2)])),
+        ("by hand", FlagsOnly(epoch=2)),
+    ]:
+        model = Plateau()
+        fit = trainer(tmp_path / name, [callback], max_epochs=3, limit_val_batches=1)
+        fit.fit(model, loader(), loader())
+        runs[name] = (state(model), [g["lr"] for g in fit.optimizers[0].param_groups])
+    assert runs["by hand"][1] == [0.025]  # halved after the validations of epochs 1 and 2
+    assert runs["spec"][1] == [0.025, 0.025]  # the trunk joined at 0.05, then was halved
+    assert changed(runs["spec"][0], runs["by hand"][0]) == set()
+
+
 def test_frozen_parameters_with_zero_grads_stay_put(tmp_path: Path) -> None:
     model = Net(all_params=True, weight_decay=0.1)
     initial = state(model.trunk)

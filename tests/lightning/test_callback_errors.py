@@ -92,6 +92,37 @@ def test_isolation_losses_must_be_a_dict_of_tensors(tmp_path: Path) -> None:
     assert type(model.aux) is torch.nn.Sequential  # on_exception took the wrapper off
 
 
+@pytest.mark.parametrize(
+    ("shape", "shown"),
+    [
+        pytest.param("zero", r"tensor\(0\., grad_fn", id="a-lone-loss-that-is-zero"),
+        pytest.param("per-sample", r"tensor\(\[", id="a-lone-loss-per-sample"),
+    ],
+)
+def test_a_lone_loss_tensor_in_place_of_the_dict_is_refused_whatever_its_value(
+    tmp_path: Path, shape: str, shown: str
+) -> None:
+    class LoneLoss(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, z = batch
+            features = self.trunk(x)
+            per_sample = F.mse_loss(self.aux(features).squeeze(-1), z, reduction="none")
+            self.isolation_losses = per_sample.mean() * 0 if shape == "zero" else per_sample
+            return F.cross_entropy(self.head(features), y) + per_sample.mean()
+
+    model = LoneLoss()
+    with pytest.raises(
+        IsolationTypeError,
+        match=r"^IsolationCallback: LoneLoss.isolation_losses must be a dict of loss name -> "
+        r"loss tensor, got " + shown,
+    ):
+        trainer(tmp_path, [IsolationCallback(detach=["aux"], verify_every_n_steps=1)]).fit(
+            model, loader()
+        )
+    assert type(model.aux) is torch.nn.Sequential  # on_exception took the wrapper off
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_protect_names_a_loss_training_step_does_not_set(tmp_path: Path) -> None:
     callback = IsolationCallback(
         protect={"aux": ["trunk"], "decoder": ["trunk"]}, verify_every_n_steps=1
@@ -120,6 +151,60 @@ def test_optimizer_state_for_frozen_parameters_is_refused(tmp_path: Path) -> Non
     ):
         trainer(tmp_path, [IsolationCallback(freeze=["trunk"])]).fit(model, loader())
     assert all(p.requires_grad for p in model.parameters())
+
+
+class OwnOptimizer(Net):
+    """configure_optimizers returns none (Lightning steps a placeholder); training_step builds
+    and steps its own optimizer, which Lightning never sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.own: torch.optim.Optimizer | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if self.own is None:
+            self.own = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+        loss = super().training_step(batch, batch_idx)
+        self.own.zero_grad()
+        self.manual_backward(loss)
+        self.own.step()
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    "thaw",
+    [Thaw("trunk", epoch=1, lr=0.05), Thaw("trunk", step=2, lr=0.05)],
+    ids=["by-epoch", "by-step"],
+)
+def test_a_thaw_with_no_optimizer_from_configure_optimizers_is_refused_at_fit_start(
+    tmp_path: Path, thaw: Thaw
+) -> None:
+    model = OwnOptimizer()
+    before = state(model)
+    callback = IsolationCallback(freeze=["trunk"], detach=["aux"], thaw=[thaw])
+    with pytest.raises(
+        SpecError,
+        match=r"^IsolationCallback: thaw groups \['trunk'\] join an optimizer as they thaw, but "
+        r"OwnOptimizer.configure_optimizers returned none \(Lightning steps a placeholder that "
+        r"updates nothing\), so once thawed they would never learn; return the optimizer from "
+        r"configure_optimizers \(under manual optimization, take it with self.optimizers\(\)\)$",
+    ):
+        trainer(tmp_path, [callback], limit_val_batches=0).fit(model, loader())
+    unchanged(model, before)
+    assert model.own is None  # refused before the first step
+
+
+def test_without_an_optimizer_from_configure_optimizers_no_placeholder_counts_as_checked(
+    tmp_path: Path,
+) -> None:
+    callback = IsolationCallback(freeze=["trunk"], verify_every_n_steps=1)
+    fit = trainer(tmp_path, [callback], limit_val_batches=0, max_epochs=1)
+    fit.fit(OwnOptimizer(), loader())
+    assert [type(o).__name__ for o in fit.optimizers] == ["_MockOptimizer"]
+    assert callback.tally.last["optimizers"].optimizers == 0  # was 1: the placeholder
 
 
 def test_a_thaw_whose_parameters_sit_in_two_optimizers_must_say_which(tmp_path: Path) -> None:
