@@ -23,7 +23,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from isolate._checkpointing import arguments_kept, keep_arguments
-from isolate.errors import SpecError
+from isolate.errors import IsolationTypeError, SpecError
 from isolate.spec._fields import string_list
 from isolate.spec.ranks import world_size
 
@@ -244,7 +244,27 @@ class Loop:
         self, loss: torch.Tensor, losses: Mapping[str, torch.Tensor] | None = None
     ) -> None:
         """Before ``loss.backward()``: keep ``loss`` for the reach check, and check the named
-        ``losses`` (graphs alive) on a check step."""
+        ``losses`` (graphs alive) on a check step.
+
+        Raises:
+            IsolationTypeError: ``loss`` is not a tensor, or ``losses`` is not a mapping of
+                loss name -> loss tensor (a lone tensor would be read for its truth: a loss of
+                0 skipped, a vector an error inside torch).
+        """
+        where = f"{self.handle.caller}: loop.before_backward(loss, losses)"
+        if not isinstance(loss, torch.Tensor):
+            raise IsolationTypeError(
+                f"{where}: loss must be the loss tensor about to be backpropagated, got "
+                f"{type(loss).__name__}"
+            )
+        if losses is not None and not (
+            isinstance(losses, Mapping)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in losses.items())
+        ):
+            raise IsolationTypeError(
+                f"{where}: losses must be a mapping of loss name -> loss tensor, got "
+                f"{type(losses).__name__}; pass {{'name': loss_tensor, ...}}"
+            )
         due = self.cadence.before_backward(loss, losses)
         if due.checks:
             self._verify(due.checks, due.when, losses=losses)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from isolate import IsolationSpec, Thaw
-from isolate.errors import ContractError, SpecError
+from isolate.errors import ContractError, IsolationTypeError, SpecError
 from isolate.spec.cadence import Cadence, Due
 from tests.spec._models import two_layers
 
@@ -304,6 +304,40 @@ def test_named_losses_are_checked_before_backward_on_a_check_step_only() -> None
         f"{handle.caller}: protect names the losses ['aux'], but no named losses were given "
         "at step 2"
     )
+    handle.restore()
+
+
+@pytest.mark.parametrize(
+    ("loss", "losses", "wrong"),
+    [
+        ("zero", "lone", "losses must be a mapping of loss name -> loss tensor, got Tensor"),
+        ("sum", "vector", "losses must be a mapping of loss name -> loss tensor, got Tensor"),
+        ("sum", "metric", "losses must be a mapping of loss name -> loss tensor, got dict"),
+        ("float", None, "loss must be the loss tensor about to be backpropagated, got float"),
+    ],
+)
+def test_a_loss_or_losses_of_the_wrong_kind_are_refused_whatever_their_value(
+    loss: str, losses: str | None, wrong: str
+) -> None:
+    """A lone tensor in place of the mapping was read for its truth: a loss of 0 skipped the
+    check of named losses, a per-sample vector raised inside torch."""
+    handle, _, model, recorder = handle_with_a_recorder(freeze=["0"], protect={"aux": ["0"]})
+    loop = handle.check_every(1)
+    loop.begin_step(epoch=0, step=0)
+    out = model(torch.randn(4, 2))
+    total = {"zero": out.sum() * 0, "sum": out.sum(), "float": 1.0}[loss]
+    given = {
+        None: None,
+        "lone": total,
+        "vector": out.squeeze(-1),
+        "metric": {"aux": out.sum(), "accuracy": 0.5},
+    }[losses]
+    with pytest.raises(IsolationTypeError) as caught:
+        loop.before_backward(total, given)  # type: ignore[arg-type]
+    assert str(caught.value).startswith(
+        f"{handle.caller}: loop.before_backward(loss, losses): {wrong}"
+    )
+    assert recorder.calls == []
     handle.restore()
 
 
