@@ -13,7 +13,7 @@ from isolate._autograd import Losses, check_losses, refuse_raising, walk
 from isolate._protected import Protected, resolve_named
 from isolate._selectors import check_module
 from isolate._sharding import check_leaves, roots_of
-from isolate.errors import GradientLeakError
+from isolate.errors import GradientLeakError, IsolationTypeError
 
 __all__ = ["assert_isolated", "reachable_parameters"]
 
@@ -104,7 +104,7 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
         GradientLeakError: ``loss`` reaches protected parameters; the message lists every one
             with its owning module, the operation that consumes it (e.g. ``AddmmBackward0``)
             and a route from the loss.
-        IsolationTypeError: an argument has the wrong type.
+        IsolationTypeError: an argument has the wrong type, or ``loss`` is an empty sequence.
         SelectorError: a selector matched nothing, a module is not part of ``model``, or
             ``protected`` names no parameter at all (an exhausted generator, say).
         ShardedGraphError: as :func:`reachable_parameters`; also sharded parameters passed
@@ -128,6 +128,11 @@ def assert_isolated(loss: Losses, protected: Protected, *, model: nn.Module | No
     """
     caller = "assert_isolated()"
     outputs = check_losses(loss, caller)
+    if not outputs:
+        raise IsolationTypeError(
+            f"{caller}: loss is an empty sequence, so there is nothing to prove isolated (a "
+            f"branch that produced no loss, an emptied config list); pass the loss tensors"
+        )
     named = resolve_named(protected, model, caller)
     found = walk(outputs, caller)
     refuse_raising(found, caller, walk_only=True)

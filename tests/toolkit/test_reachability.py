@@ -410,6 +410,12 @@ def test_assert_isolated_errors(net: Net) -> None:
         gradient_invariance(main.sum(), main.sum(), net.encoder[1])
     with pytest.raises(IsolationTypeError, match=r"^assert_isolated\(\): loss must be"):
         assert_isolated(None, net)  # type: ignore[arg-type]
+    with pytest.raises(IsolationTypeError) as empty:
+        assert_isolated([], net.encoder)  # an emptied list of auxiliary losses
+    assert str(empty.value) == (
+        "assert_isolated(): loss is an empty sequence, so there is nothing to prove isolated (a "
+        "branch that produced no loss, an emptied config list); pass the loss tensors"
+    )
 
 
 # --------------------------------------------------------------------------------------------
