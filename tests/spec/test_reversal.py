@@ -224,6 +224,36 @@ def test_a_forward_not_recorded_cannot_be_checked_and_names_the_features() -> No
     )
 
 
+class KeywordClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, *, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.1])
+def test_a_classifier_called_with_a_keyword_argument_is_checked(scale: float) -> None:
+    model = dann(isolate.GradientScale(-scale), KeywordClassifier())
+    with IsolationSpec(contracts=[reversal(classifier="domain.1")]).applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        h = model["domain"][0](model["features"](torch.randn(8, 4)))
+        loss = F.cross_entropy(model["domain"][1](h=h), torch.arange(8) % 2)
+        verification = handle.verify({"domain": loss}, checks=["contracts"], on_violation="warn")
+    assert verification.contracts == {"reversal:domain": 3}
+    assert verification.violations == (
+        ()
+        if scale == 0.3
+        else (
+            "IsolationSpec: at epoch 0, step 0, contract 'reversal:domain' (reversal) breaks "
+            "its clause 'reversed at the features': the gradient of loss 'domain' at the output "
+            "of 'features' is -0.1 times its gradient at the input of 'domain.1', expected -0.3 "
+            "(a reversal of scale 0.3); the scale differs",
+        )
+    )
+
+
 class ConjugateReverse(torch.autograd.Function):
     """Sends back ``-0.3`` times the conjugate: the real parts of a right reversal, the
     imaginary parts of no reversal at all."""
