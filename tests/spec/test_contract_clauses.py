@@ -243,6 +243,69 @@ def test_a_probe_read_by_two_other_losses_names_both() -> None:
     )
 
 
+@pytest.mark.parametrize("ensemble", [False, True])
+def test_a_loss_left_unnamed_in_the_loss_backpropagated_that_reaches_the_probe_is_named(
+    ensemble: bool,
+) -> None:
+    model = net()
+    spec = IsolationSpec(contracts=[{"kind": "probe", "select": "probe", "loss": "probe"}])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.arange(8) % 3
+    with spec.applied(model, optimizer) as handle:
+        loop = handle.check_every(1)
+        loop.begin_step(epoch=0, step=0)
+        features = model["trunk"](torch.randn(8, 4))
+        probe_logits = model["probe"](features.detach())
+        logits = model["head"](features) + (probe_logits if ensemble else 0)
+        main = F.cross_entropy(logits, labels)
+        probe = F.cross_entropy(probe_logits, labels)
+        total = main + probe
+        # brute force: the unnamed part of the loss backpropagated reaches the probe or not
+        (grad,) = torch.autograd.grad(
+            main, model["probe"].weight, retain_graph=True, allow_unused=True
+        )
+        assert (grad is not None) == ensemble
+        loop.before_backward(total, {"probe": probe})  # only the loss the contract names
+        total.backward()
+        optimizer.step()
+        if ensemble:
+            with pytest.raises(ContractError) as broken:
+                loop.end_step()
+        else:
+            loop.end_step()
+    clauses = handle.contracts.verdicts["probe:probe"]["clauses"]
+    assert clauses["no other loss reaches the probe"]["violated"] == int(ensemble)
+    if ensemble:
+        assert str(broken.value) == (
+            "IsolationSpec: at step 0, contract 'probe:probe' (probe) breaks its clause 'no "
+            "other loss reaches the probe': the loss backpropagated, apart from the named "
+            "losses in it, reaches ['probe.weight', 'probe.bias']"
+        )
+
+
+def test_a_probe_over_two_micro_batches_is_told_apart_from_the_losses_of_both() -> None:
+    model = net()
+    spec = IsolationSpec(contracts=[{"kind": "probe", "select": "probe", "loss": "probe"}])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with spec.applied(model, optimizer) as handle:
+        loop = handle.check_every(1)
+        loop.begin_step(epoch=0, step=0)
+        for _ in range(2):  # gradient accumulation: one optimizer step
+            features = model["trunk"](torch.randn(8, 4))
+            main = F.cross_entropy(model["head"](features), torch.arange(8) % 3)
+            probe = F.cross_entropy(model["probe"](features.detach()), torch.arange(8) % 3)
+            loop.before_backward((main + probe) / 2, {"main": main, "probe": probe})
+            ((main + probe) / 2).backward()
+        optimizer.step()
+        loop.end_step()
+    clauses = handle.contracts.verdicts["probe:probe"]["clauses"]
+    assert clauses["no other loss reaches the probe"] == {
+        "checked": 3,
+        "violated": 0,
+        "first": None,
+    }
+
+
 # -- the names a refusal is given --------------------------------------------------------------
 
 
