@@ -224,6 +224,8 @@ class ContractWatch:
                 recorded.inputs.setdefault(key, []).extend(_tensors([args, kwargs]))
             if "outputs" in what:
                 recorded.outputs.setdefault(key, []).extend(_tensors(output))
+            if "training" in what:
+                recorded.training.setdefault(key, []).append(module.training)
 
         return hook
 
@@ -233,3 +235,4 @@ class ContractWatch:
         self._hooks.clear()
         self._recorded.inputs.clear()
         self._recorded.outputs.clear()
+        self._recorded.training.clear()

@@ -56,6 +56,7 @@ class Recorded:
 
     inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    training: dict[int, list[bool]] = field(default_factory=dict)  # the flag each forward ran with
 
     def of(self, module: nn.Module, what: str) -> list[torch.Tensor]:
         return (self.inputs if what == "inputs" else self.outputs).get(id(module), [])
@@ -263,6 +264,7 @@ class Teacher(Clauses):
         selection = select(model, contract.select, self.where, modes=True, holders=True)
         self.params = {names.of_id[id(p)]: p for p in selection.params.values()}
         self.modes = dict(selection.modes)
+        self.watch += [(m, "training") for m in self.modes.values()]
         # The buffers of every module the selection covers (a selected layer's, a constant
         # table's under a selected network) and of its mode-dependent layers.
         buffers = list(
@@ -285,7 +287,12 @@ class Teacher(Clauses):
 
     def state(self, ctx: Context) -> list[Outcome]:
         out = no_optimizer_holds(ctx, self.contract, "in no optimizer", self.params)
-        training = [n for n, m in self.modes.items() if m.training and held_policy(m) != "eval"]
+        training = [
+            n
+            for n, m in self.modes.items()
+            if (m.training and held_policy(m) != "eval")
+            or any(ctx.recorded.training.get(id(m), ()))
+        ]
         clause = "in eval mode"
         out.append(
             (

@@ -145,6 +145,32 @@ def test_a_teacher_in_eval_mode_by_hand_or_held_in_eval_holds_its_mode_clause() 
         handle.verify(checks=["contracts"])
 
 
+def test_a_teacher_that_ran_in_train_mode_and_was_put_back_in_eval_mode_breaks_its_clause() -> None:
+    model = net()
+    opt = torch.optim.SGD(model["head"].parameters(), lr=0.1)
+    ran: list[bool] = []
+    model["trunk"][1].register_forward_pre_hook(lambda m, args: ran.append(m.training))
+    teacher = IsolationSpec(contracts=[{"kind": "teacher", "select": "trunk"}])
+    with teacher.applied(model, opt) as handle:
+        loop = handle.check_every(1)
+        loop.begin_step(epoch=0, step=0)
+        with torch.no_grad():
+            features = model["trunk"].train()(torch.randn(8, 4))  # dropout on
+        model["trunk"].eval()  # put back after the forward, before the check
+        loss = model["head"](features).sum()
+        loop.before_backward(loss, {})
+        loss.backward()
+        opt.step()
+        with pytest.raises(ContractError) as broken:
+            loop.end_step()
+    assert ran == [True] and not model["trunk"][1].training
+    assert str(broken.value) == (
+        "IsolationSpec: at step 0, contract 'teacher:trunk' (teacher) breaks its clause 'in eval "
+        "mode': ['trunk.1'] run in train mode (their forward reads .training); hold them with "
+        "freeze(..., mode='eval') or the spec's mode: eval, which survive model.train()"
+    )
+
+
 # -- what the clauses read and name ------------------------------------------------------------
 
 
