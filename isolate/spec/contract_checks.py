@@ -210,19 +210,22 @@ class ContractWatch:
             for module, what in b.watch:
                 watched.setdefault(id(module), (module, set()))[1].add(what)
         for key, (module, kinds) in watched.items():
-            self._hooks.append(module.register_forward_hook(self._hook(key, kinds)))
+            hook = self._hook(key, kinds)
+            self._hooks.append(module.register_forward_hook(hook, with_kwargs=True))
 
     def _hook(self, key: int, what: set[str]) -> Any:
         recorded = self._recorded
 
         @recompute_safe
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if recomputing():  # an audit re-running a checkpointed segment, not the forward
                 return
             if "inputs" in what:
-                recorded.inputs.setdefault(key, []).extend(_tensors(args))
+                recorded.inputs.setdefault(key, []).extend(_tensors([args, kwargs]))
             if "outputs" in what:
                 recorded.outputs.setdefault(key, []).extend(_tensors(output))
+            if "training" in what:
+                recorded.training.setdefault(key, []).append(module.training)
 
         return hook
 
@@ -232,3 +235,4 @@ class ContractWatch:
         self._hooks.clear()
         self._recorded.inputs.clear()
         self._recorded.outputs.clear()
+        self._recorded.training.clear()

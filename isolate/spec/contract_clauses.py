@@ -56,6 +56,7 @@ class Recorded:
 
     inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    training: dict[int, list[bool]] = field(default_factory=dict)  # the flag each forward ran with
 
     def of(self, module: nn.Module, what: str) -> list[torch.Tensor]:
         return (self.inputs if what == "inputs" else self.outputs).get(id(module), [])
@@ -263,6 +264,7 @@ class Teacher(Clauses):
         selection = select(model, contract.select, self.where, modes=True, holders=True)
         self.params = {names.of_id[id(p)]: p for p in selection.params.values()}
         self.modes = dict(selection.modes)
+        self.watch += [(m, "training") for m in self.modes.values()]
         # The buffers of every module the selection covers (a selected layer's, a constant
         # table's under a selected network) and of its mode-dependent layers.
         buffers = list(
@@ -285,7 +287,12 @@ class Teacher(Clauses):
 
     def state(self, ctx: Context) -> list[Outcome]:
         out = no_optimizer_holds(ctx, self.contract, "in no optimizer", self.params)
-        training = [n for n, m in self.modes.items() if m.training and held_policy(m) != "eval"]
+        training = [
+            n
+            for n, m in self.modes.items()
+            if (m.training and held_policy(m) != "eval")
+            or any(ctx.recorded.training.get(id(m), ()))
+        ]
         clause = "in eval mode"
         out.append(
             (
@@ -406,23 +413,48 @@ class Probe(MustMove):
         "the probe moves",
     )
 
+    def __init__(self, contract: Contract, model: nn.Module, names: Names, caller: str) -> None:
+        super().__init__(contract, model, names, caller)
+        self._named: set[Node] | None = None  # the named losses' nodes, for the totals after
+
     def graph(self, ctx: Context) -> list[Outcome]:
         contract, out = self.contract, list[Outcome]()
-        if ctx.loss_of(contract) is None:
-            return []
-        ids = {id(p) for p in self.params.values()}
-        own = ctx.reached_by(str(contract.loss))
-        outside = [n for n, p in ctx.names.params.items() if id(p) in own and id(p) not in ids]
-        clause = "its loss reaches only the probe"
-        detail = f"loss {contract.loss!r} also reaches {shown(outside)}"
-        out.append((clause, ctx.fail(contract, clause, detail) if outside else None))
-        clause = "no other loss reaches the probe"
-        others = [n for n in ctx.losses or {} if n != contract.loss]
-        hits = [(n, reached_names(ctx, self.params, ctx.reached_by(n))) for n in others]
-        hits = [(n, h) for n, h in hits if h]
-        detail = "; ".join(f"loss {n!r} reaches {shown(h)}" for n, h in hits)
-        out.append((clause, ctx.fail(contract, clause, detail) if hits else None))
+        hits: list[tuple[str, list[str]]] = []
+        if ctx.losses is not None:
+            nodes = {t.grad_fn for t in ctx.losses.values() if t.grad_fn is not None}
+            self._named = (self._named or set()) | nodes  # every micro-batch's, until the total
+        if ctx.loss_of(contract) is not None:
+            ids = {id(p) for p in self.params.values()}
+            own = ctx.reached_by(str(contract.loss))
+            outside = [n for n, p in ctx.names.params.items() if id(p) in own and id(p) not in ids]
+            clause = "its loss reaches only the probe"
+            detail = f"loss {contract.loss!r} also reaches {shown(outside)}"
+            out.append((clause, ctx.fail(contract, clause, detail) if outside else None))
+            others = [n for n in ctx.losses or {} if n != contract.loss]
+            hits += [
+                (f"loss {n!r}", reached_names(ctx, self.params, ctx.reached_by(n))) for n in others
+            ]
+        if ctx.total and self._named is not None:
+            # The loss backpropagated, apart from the named losses summed into it: a loss left
+            # unnamed (a task head that reads the probe's output) is another loss too.
+            rest = ctx.leaves(("total", "unnamed"), ctx.total, self._named.__contains__)
+            hits.append(
+                (
+                    "the loss backpropagated, apart from the named losses in it,",
+                    reached_names(ctx, self.params, rest),
+                )
+            )
+            self._named = None
+        if ctx.loss_of(contract) is not None or hits:
+            clause = "no other loss reaches the probe"
+            hits = [(n, h) for n, h in hits if h]
+            detail = "; ".join(f"{n} reaches {shown(h)}" for n, h in hits)
+            out.append((clause, ctx.fail(contract, clause, detail) if hits else None))
         return out
+
+    def release(self) -> None:
+        super().release()
+        self._named = None
 
     def close(self, ctx: Context) -> list[Outcome]:
         start, still = self.still()

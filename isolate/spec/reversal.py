@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
 from isolate._autograd import walk
+from isolate._checkpointing import is_reentrant
+from isolate._compiled import is_compiled
 from isolate._walker import Names
 from isolate.detaching import gradient_scale_of
 from isolate.errors import IsolationError
@@ -70,6 +73,22 @@ class Reversal(Clauses):
                 f"classifier"
             )
             out.append((clause, ctx.fail(contract, clause, detail)))
+            return out
+        # A custom autograd Function's backward may be a reversal written by hand: a route
+        # through one proves nothing about the sign the classifier gets.
+        read = walk(
+            [loss], ctx.caller, stop=lambda n: gradient_scale_of(n) is not None or _opaque(n)
+        )
+        if outputs and not outputs & set(read.parent):
+            opaque = sorted({n.name() for n in read.parent if _opaque(n)})
+            detail = (
+                f"every route from loss {contract.loss!r} to the output of "
+                f"{contract.classifier!r} passes {opaque}, a custom autograd Function whose "
+                f"backward isolate cannot read: it may reverse the gradient the classifier "
+                f"gets; reverse with isolate.GradientScale or isolate.scale_gradient, which the "
+                f"check reads"
+            )
+            out.append((clause, ctx.blind(contract, clause, detail)))
         else:
             out.append((clause, None))
         return out
@@ -122,6 +141,17 @@ class Reversal(Clauses):
                 else "the scale differs"
             ),
         )
+
+
+def _opaque(node: Node) -> bool:
+    """Whether ``node`` is the backward of a custom ``torch.autograd.Function`` other than a
+    gradient scale, a reentrant checkpoint or a compiled region (the walk reads those)."""
+    return (
+        getattr(type(node), "_forward_cls", None) is not None
+        and gradient_scale_of(node) is None
+        and not is_reentrant(node)
+        and not is_compiled(node)
+    )
 
 
 def _flat_gradients(

@@ -145,6 +145,32 @@ def test_a_teacher_in_eval_mode_by_hand_or_held_in_eval_holds_its_mode_clause() 
         handle.verify(checks=["contracts"])
 
 
+def test_a_teacher_that_ran_in_train_mode_and_was_put_back_in_eval_mode_breaks_its_clause() -> None:
+    model = net()
+    opt = torch.optim.SGD(model["head"].parameters(), lr=0.1)
+    ran: list[bool] = []
+    model["trunk"][1].register_forward_pre_hook(lambda m, args: ran.append(m.training))
+    teacher = IsolationSpec(contracts=[{"kind": "teacher", "select": "trunk"}])
+    with teacher.applied(model, opt) as handle:
+        loop = handle.check_every(1)
+        loop.begin_step(epoch=0, step=0)
+        with torch.no_grad():
+            features = model["trunk"].train()(torch.randn(8, 4))  # dropout on
+        model["trunk"].eval()  # put back after the forward, before the check
+        loss = model["head"](features).sum()
+        loop.before_backward(loss, {})
+        loss.backward()
+        opt.step()
+        with pytest.raises(ContractError) as broken:
+            loop.end_step()
+    assert ran == [True] and not model["trunk"][1].training
+    assert str(broken.value) == (
+        "IsolationSpec: at step 0, contract 'teacher:trunk' (teacher) breaks its clause 'in eval "
+        "mode': ['trunk.1'] run in train mode (their forward reads .training); hold them with "
+        "freeze(..., mode='eval') or the spec's mode: eval, which survive model.train()"
+    )
+
+
 # -- what the clauses read and name ------------------------------------------------------------
 
 
@@ -241,6 +267,69 @@ def test_a_probe_read_by_two_other_losses_names_both() -> None:
         "'no other loss reaches the probe': loss 'main' reaches ['probe.weight', 'probe.bias']; "
         "loss 'aux' reaches ['probe.weight', 'probe.bias']"
     )
+
+
+@pytest.mark.parametrize("ensemble", [False, True])
+def test_a_loss_left_unnamed_in_the_loss_backpropagated_that_reaches_the_probe_is_named(
+    ensemble: bool,
+) -> None:
+    model = net()
+    spec = IsolationSpec(contracts=[{"kind": "probe", "select": "probe", "loss": "probe"}])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = torch.arange(8) % 3
+    with spec.applied(model, optimizer) as handle:
+        loop = handle.check_every(1)
+        loop.begin_step(epoch=0, step=0)
+        features = model["trunk"](torch.randn(8, 4))
+        probe_logits = model["probe"](features.detach())
+        logits = model["head"](features) + (probe_logits if ensemble else 0)
+        main = F.cross_entropy(logits, labels)
+        probe = F.cross_entropy(probe_logits, labels)
+        total = main + probe
+        # brute force: the unnamed part of the loss backpropagated reaches the probe or not
+        (grad,) = torch.autograd.grad(
+            main, model["probe"].weight, retain_graph=True, allow_unused=True
+        )
+        assert (grad is not None) == ensemble
+        loop.before_backward(total, {"probe": probe})  # only the loss the contract names
+        total.backward()
+        optimizer.step()
+        if ensemble:
+            with pytest.raises(ContractError) as broken:
+                loop.end_step()
+        else:
+            loop.end_step()
+    clauses = handle.contracts.verdicts["probe:probe"]["clauses"]
+    assert clauses["no other loss reaches the probe"]["violated"] == int(ensemble)
+    if ensemble:
+        assert str(broken.value) == (
+            "IsolationSpec: at step 0, contract 'probe:probe' (probe) breaks its clause 'no "
+            "other loss reaches the probe': the loss backpropagated, apart from the named "
+            "losses in it, reaches ['probe.weight', 'probe.bias']"
+        )
+
+
+def test_a_probe_over_two_micro_batches_is_told_apart_from_the_losses_of_both() -> None:
+    model = net()
+    spec = IsolationSpec(contracts=[{"kind": "probe", "select": "probe", "loss": "probe"}])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with spec.applied(model, optimizer) as handle:
+        loop = handle.check_every(1)
+        loop.begin_step(epoch=0, step=0)
+        for _ in range(2):  # gradient accumulation: one optimizer step
+            features = model["trunk"](torch.randn(8, 4))
+            main = F.cross_entropy(model["head"](features), torch.arange(8) % 3)
+            probe = F.cross_entropy(model["probe"](features.detach()), torch.arange(8) % 3)
+            loop.before_backward((main + probe) / 2, {"main": main, "probe": probe})
+            ((main + probe) / 2).backward()
+        optimizer.step()
+        loop.end_step()
+    clauses = handle.contracts.verdicts["probe:probe"]["clauses"]
+    assert clauses["no other loss reaches the probe"] == {
+        "checked": 3,
+        "violated": 0,
+        "first": None,
+    }
 
 
 # -- the names a refusal is given --------------------------------------------------------------

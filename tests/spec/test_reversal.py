@@ -224,6 +224,36 @@ def test_a_forward_not_recorded_cannot_be_checked_and_names_the_features() -> No
     )
 
 
+class KeywordClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, *, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.1])
+def test_a_classifier_called_with_a_keyword_argument_is_checked(scale: float) -> None:
+    model = dann(isolate.GradientScale(-scale), KeywordClassifier())
+    with IsolationSpec(contracts=[reversal(classifier="domain.1")]).applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        h = model["domain"][0](model["features"](torch.randn(8, 4)))
+        loss = F.cross_entropy(model["domain"][1](h=h), torch.arange(8) % 2)
+        verification = handle.verify({"domain": loss}, checks=["contracts"], on_violation="warn")
+    assert verification.contracts == {"reversal:domain": 3}
+    assert verification.violations == (
+        ()
+        if scale == 0.3
+        else (
+            "IsolationSpec: at epoch 0, step 0, contract 'reversal:domain' (reversal) breaks "
+            "its clause 'reversed at the features': the gradient of loss 'domain' at the output "
+            "of 'features' is -0.1 times its gradient at the input of 'domain.1', expected -0.3 "
+            "(a reversal of scale 0.3); the scale differs",
+        )
+    )
+
+
 class ConjugateReverse(torch.autograd.Function):
     """Sends back ``-0.3`` times the conjugate: the real parts of a right reversal, the
     imaginary parts of no reversal at all."""
@@ -306,3 +336,49 @@ def test_sides_where_no_gradient_can_flow_cannot_be_checked() -> None:
         "inputs of 'domain.1' carry a gradient (they are integer or were computed under "
         "no_grad); name the modules on either side of the reversal"
     )
+
+
+class ReverseLayerF(torch.autograd.Function):
+    """A gradient reversal written by hand, as DANN implementations do."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * -0.3
+
+
+class HandReversal(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ReverseLayerF.apply(x)  # type: ignore[no-any-return]
+
+
+def test_a_hand_written_reversal_on_every_route_past_the_classifier_cannot_be_checked() -> None:
+    model = dann(HandReversal(), nn.Linear(4, 2), HandReversal())
+    with IsolationSpec(contracts=[reversal()]).applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        loss = F.cross_entropy(
+            model["domain"](model["features"](torch.randn(8, 4))), torch.arange(8) % 2
+        )
+        with pytest.raises(BlindSpotError) as raised:
+            handle.verify({"domain": loss}, checks=["contracts"])
+    # brute force: the classifier's gradient is the unreversed one times -0.3
+    features, labels = model["features"](torch.randn(8, 4)), torch.arange(8) % 2
+    weight = model["domain"][1].weight
+    (got,) = torch.autograd.grad(F.cross_entropy(model["domain"](features), labels), weight)
+    plain = F.cross_entropy(model["domain"][1](features), labels)
+    assert torch.allclose(got, -0.3 * torch.autograd.grad(plain, weight)[0])
+    assert str(raised.value) == (
+        "IsolationSpec: at epoch 0, step 0, contract 'reversal:domain' (reversal) cannot check "
+        "its clause 'the classifier gets it unreversed': every route from loss 'domain' to the "
+        "output of 'domain.1' passes ['ReverseLayerFBackward'], a custom autograd Function "
+        "whose backward isolate cannot read: it may reverse the gradient the classifier gets; "
+        "reverse with isolate.GradientScale or isolate.scale_gradient, which the check reads"
+    )
+
+
+def test_a_hand_written_reversal_before_the_classifier_alone_holds() -> None:
+    model = dann(HandReversal(), nn.Linear(4, 2))
+    assert check(model, reversal(), cross_entropy(model)) == ({"reversal:domain": 3}, ())
