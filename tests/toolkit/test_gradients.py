@@ -16,7 +16,13 @@ from torch import nn
 import isolate
 from isolate import assert_isolated, freeze, gradient_report
 from isolate.cutoff import cut_off_parameters
-from isolate.errors import BlindSpotError, IsolationTypeError, SelectorError, ShardedGraphError
+from isolate.errors import (
+    BlindSpotError,
+    GradientLeakError,
+    IsolationTypeError,
+    SelectorError,
+    ShardedGraphError,
+)
 from isolate.gradients import GradientReport, gradient_invariance
 from isolate.reachability import reachable_parameters
 from tests.toolkit._shared import Net, TanhOnce, X
@@ -812,6 +818,8 @@ def test_a_report_through_a_derivative_torch_does_not_implement_is_refused() -> 
     ):
         gradient_report({"loss": loss, "penalty": penalty}, model)
     assert reachable_parameters(penalty, model) == ("weight", "bias")  # an upper bound
+    with pytest.raises(GradientLeakError, match=r"the loss reaches 2 of 2 protected"):
+        assert_isolated(penalty, model)  # the walk reads the node's real edges
 
 
 def test_a_report_after_an_optimizer_step_changed_saved_tensors_is_refused() -> None:
