@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isolate._autograd import check_losses, walk
+from isolate._autograd import check_losses, refuse_raising, walk
 from isolate._holding import held_policy
 from isolate._selectors import check_module, select
 from isolate._sharding import check_leaves, sharded_view
@@ -287,6 +287,7 @@ def ledger(
     reached: dict[int, list[str]] = {}
     for loss_name, loss in (named or {}).items():
         found = walk([loss], caller)
+        refuse_raising(found, caller, walk_only=True)
         check_leaves(found, [model], caller)
         for key in found.leaves:
             reached.setdefault(key, []).append(loss_name)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-from isolate._autograd import walk
+from isolate._autograd import refuse_raising, walk
 from isolate._holding import held_policy
 from isolate._selectors import describe, select
 from isolate._sharding import check_leaves
@@ -83,6 +83,7 @@ class Context:
         """The leaves ``outputs`` reach (FSDP2 temporaries mapped to their parameters)."""
         if key not in self._walks:
             found = walk([t for t in outputs if t.requires_grad], self.caller, stop=stop)
+            refuse_raising(found, self.caller, walk_only=True)
             check_leaves(found, [self.model], self.caller)
             self._walks[key] = found.leaves
         return self._walks[key]

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from isolate._autograd import walk
+from isolate._autograd import refuse_raising, walk
 from isolate._sharding import check_leaves
 from isolate._text import shown
 from isolate._walker import Names
@@ -119,6 +119,7 @@ def _walk(
 ) -> dict[int, torch.Tensor]:
     """The leaves the outputs reach, FSDP2 temporaries mapped to their parameters."""
     found = walk(outputs, caller)
+    refuse_raising(found, caller, walk_only=True)
     check_leaves(found, [model], caller)
     return found.leaves
 

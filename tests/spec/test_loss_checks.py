@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from isolate import IsolationSpec
 from isolate.errors import BlindSpotError, GradientLeakError, IsolationTypeError, SpecError
 from tests.spec._models import Net
+from tests.toolkit._shared import TanhOnce
 
 pytestmark = pytest.mark.filterwarnings("ignore::isolate.IsolationWarning")
 
@@ -110,3 +111,39 @@ def test_a_walk_that_cannot_see_is_refused_in_the_handles_name(case: str) -> Non
         with pytest.raises(BlindSpotError) as refused:
             handle.verify(losses or None, total=head, checks=("losses",))
     assert str(refused.value).startswith("IsolationSpec: ")
+
+
+def _through_a_once_differentiable_function(model: nn.Module) -> torch.Tensor:
+    """A gradient penalty through a Function whose backward cannot be differentiated: its
+    graph's edges past that node go to stand-in leaves, and a real backward raises there."""
+    x = torch.randn(2, 3, requires_grad=True)
+    out = model[1](TanhOnce.apply(model[0](x)))
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return g.pow(2).sum()
+
+
+def test_a_named_loss_through_a_once_differentiable_function_is_refused_not_passed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    penalty = _through_a_once_differentiable_function(model)
+    with IsolationSpec(protect={"penalty": ["1"]}).applied(model) as handle:
+        handle.step(epoch=0, step=0)
+        with pytest.raises(BlindSpotError) as refused:
+            handle.verify({"penalty": penalty}, checks=("losses",))
+    assert str(refused.value).startswith(
+        "IsolationSpec: the loss's graph runs through torch::autograd::Error (consumed by "
+        "MmBackward0), whose backward raises"
+    )
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        penalty.backward()
+
+
+def test_a_contract_that_walks_a_loss_through_a_once_differentiable_function_refuses() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    spec = IsolationSpec(contracts=[{"kind": "probe", "select": "1", "loss": "probe"}])
+    with spec.applied(model) as handle:
+        probe = model[1](model[0](torch.randn(2, 3)).detach()).sum()
+        main = _through_a_once_differentiable_function(model)  # reaches the probe, unseen
+        with pytest.raises(BlindSpotError, match=r"runs through torch::autograd::Error"):
+            handle.verify({"probe": probe, "main": main}, checks=["contracts"])

@@ -21,6 +21,7 @@ from isolate.errors import (
 )
 from isolate.ledger import Ledger, ledger
 from isolate.spec import IsolationSpec, Thaw
+from tests.toolkit._shared import TanhOnce
 from tests.toolkit.test_sharding import Net, _fully_shard
 
 
@@ -113,6 +114,21 @@ def test_reach_comes_from_the_graph_and_agrees_with_autograd() -> None:
         "spare.weight": ("trainable but cut off: no loss reaches it",),
         "spare.bias": ("trainable but cut off: no loss reaches it",),
     }
+
+
+def test_reach_through_a_once_differentiable_function_is_refused_not_read_as_cut_off() -> None:
+    """Past the node a second derivative leaves, the graph's edges go to stand-in leaves:
+    the layers behind it would read "trainable but cut off" while a real backward raises."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    x = torch.randn(2, 3, requires_grad=True)
+    (g,) = torch.autograd.grad(model[1](TanhOnce.apply(model[0](x))).sum(), x, create_graph=True)
+    with pytest.raises(BlindSpotError) as refused:
+        ledger(model, {"penalty": g.pow(2).sum()})
+    assert str(refused.value).startswith(
+        "ledger(): the loss's graph runs through torch::autograd::Error (consumed by "
+        "MmBackward0), whose backward raises"
+    )
 
 
 def test_every_contradiction_is_flagged_with_its_reason() -> None:
