@@ -69,6 +69,7 @@ class _Entry:
     saved: torch.Tensor | None  # the copy, or None for a fingerprint
     print: Print | None  # the fingerprint and its scheme; None with a copy
     shape: tuple[int, ...]
+    dtype: torch.dtype  # checked first: an fp32 weight cast to bf16 can keep every value
     # The object snapshotted, to notice when a name points elsewhere later: its id for
     # modules (a weak reference would make torch refuse to swap the tensor in
     # load_state_dict or module.to() under swap_module_params_on_conversion, and a strong
@@ -76,6 +77,11 @@ class _Entry:
     # gets checked).
     ident: int
     held: torch.Tensor | None
+
+    def same_kind(self, now: torch.Tensor) -> bool:
+        """Whether ``now`` has the recorded shape and dtype (else its values cannot compare)."""
+        local = local_tensor(now)
+        return tuple(local.shape) == self.shape and local.dtype == self.dtype
 
 
 class Snapshot:
@@ -152,19 +158,15 @@ class Snapshot:
         prints = fingerprints_as(  # tied tensors are read once
             (now, e.print)
             for e in self._entries
-            if e.print is not None
-            and (now := current.get(e.name)) is not None
-            and tuple(local_tensor(now).shape) == e.shape
+            if e.print is not None and (now := current.get(e.name)) is not None and e.same_kind(now)
         )
         out = []
         for entry in self._entries:
             now = current.get(entry.name)
-            if now is None:
+            if now is None or not entry.same_kind(now):
                 delta = math.inf
             elif entry.saved is not None:
                 delta = max_abs_diff(entry.saved, now)
-            elif tuple(local_tensor(now).shape) != entry.shape:
-                delta = math.inf
             else:
                 delta = 0.0 if prints[id(now)] == entry.print else math.nan
             if not delta <= atol or id(now) != entry.ident:
@@ -174,11 +176,11 @@ class Snapshot:
     def changed(self, *, atol: float = 0.0) -> dict[str, float]:
         """Name -> max |Δ| of every tensor whose values moved by more than ``atol``.
 
-        A tensor that is gone, or whose shape changed, reports ``inf``; NaN where there was a
-        number (or the other way round) reports ``nan``. A fingerprint snapshot
-        (``drift="fingerprint"``) knows that a tensor changed, not by how much: every changed tensor
-        reports ``nan`` (test with ``math.isnan``; ``nan > 0`` is False), except ``inf`` for
-        one that is gone or changed shape.
+        A tensor that is gone, or whose shape or dtype changed, reports ``inf``; NaN where
+        there was a number (or the other way round) reports ``nan``. A fingerprint snapshot
+        (``drift="fingerprint"``) knows that a tensor changed, not by how much: every changed
+        tensor reports ``nan`` (test with ``math.isnan``; ``nan > 0`` is False), except
+        ``inf`` for one that is gone or changed shape or dtype.
 
         Args:
             atol: the largest |Δ| per element that still counts as unchanged; only ``0``
@@ -269,6 +271,8 @@ class Snapshot:
                 detail = "is gone (no tensor of that name any more)"
             elif tuple(local_tensor(now).shape) != entry.shape:
                 detail = f"changed shape {entry.shape} -> {tuple(local_tensor(now).shape)}"
+            elif local_tensor(now).dtype != entry.dtype:
+                detail = f"changed dtype {entry.dtype} -> {local_tensor(now).dtype}"
             elif entry.saved is None:
                 detail = (
                     "changed (fingerprint differs; snapshot(..., drift='copy') tells by how much)"
@@ -472,5 +476,5 @@ def _record(
             saved[id(t)] = (local.clone() if device is None else local.to(device, copy=True), None)
         kept, print_ = saved[id(t)]
         shape, held = tuple(local.shape), t if strong else None
-        entries.append(_Entry(name, kind, kept, print_, shape, id(t), held))
+        entries.append(_Entry(name, kind, kept, print_, shape, local.dtype, id(t), held))
     return Snapshot(entries, module, description, drift, device)
