@@ -68,6 +68,30 @@ def _check_pairs(base: Checkpoint, tuned: Checkpoint, ignored: frozenset[str]) -
         )
 
 
+def _check_ignored(
+    ignored: frozenset[str],
+    names: Sequence[str],
+    ignore: Sequence[str],
+    rows: Mapping[str, Sequence[int]] | None,
+    ties: Sequence[tuple[str, ...]],
+    where: str,
+) -> None:
+    """Refuse an ``ignore=`` that leaves every key out, or a key that rows= or ties= name: a
+    claim left out is never checked, and the certificate would pass it."""
+    if names and ignored.issuperset(names):
+        raise CertificateError(
+            f"{CALLER}: ignore={list(ignore)} leaves out all {where}, so the certificate "
+            f"would pass whatever the files hold; leave out fewer keys"
+        )
+    for option, keys in (("rows=", list(rows or {})), ("ties=", [k for t in ties for k in t])):
+        for key in keys:
+            if key in ignored:
+                raise CertificateError(
+                    f"{CALLER}: {option} names {key!r}, which ignore= leaves out, so that claim "
+                    f"would never be checked; drop it from {option} or from ignore="
+                )
+
+
 def _record(reader: Checkpoint) -> FileRecord:
     hashes = reader.file_hashes()
     return FileRecord(str(reader.path), reader.format, hashes, reader.group, tuple(reader.skipped))
@@ -132,7 +156,8 @@ def certify(
 
     Raises:
         CertificateError: nothing to certify, a selector or row that names no key, a dtype
-            or shape that differs between the files, an adapter that does not fit its base.
+            or shape that differs between the files, an adapter that does not fit its base,
+            an ``ignore`` that leaves out every key or a key that ``rows`` or ``ties`` name.
         CheckpointReadError: a file that is truncated, not weights-only, or not a checkpoint.
         SelectorError: a spec selector that matches no key, or a ``type:`` selector.
 
@@ -163,6 +188,7 @@ def certify(
         ignored = frozenset(select_names(names, ignore, CALLER, where=where))
         claims = _claims(first, parsed_spec, config, lora, rows, buffers)
         declared = with_ties(ties, first.metas, where=first.path.name)
+        _check_ignored(ignored, names, ignore, rows, declared, where)
         _check_pairs(first, second, ignored)
         job = Pass(first, second, claims, lora, declared, detect_ties, ulps, ignored)
         verdicts: list[Verdict] = run(job)

@@ -82,6 +82,32 @@ def test_an_ignore_selector_is_matched_against_the_keys_of_both_files(tmp_path: 
     )
 
 
+def test_an_ignore_that_would_leave_a_claim_unchecked_is_refused(tmp_path: Path) -> None:
+    tuned = trained(base_state())
+    tuned["embed.weight"][1] += 1  # rows 0 of the claim below did not move, and out.weight is
+    files = pair(tmp_path, "torch", tuned)  # no longer embed.weight: both claims would fail
+    for kwargs, message in (
+        (
+            {"spec": SPEC, "ignore": ["*"]},
+            "ignore=['*'] leaves out all the keys of base.pt and tuned.pt, so the certificate "
+            "would pass whatever the files hold; leave out fewer keys",
+        ),
+        (
+            {"rows": {"embed.weight": [0]}, "ignore": ["embed"]},
+            "rows= names 'embed.weight', which ignore= leaves out, so that claim would never "
+            "be checked; drop it from rows= or from ignore=",
+        ),
+        (
+            {"ties": [["embed.weight", "out.weight"]], "ignore": ["out"]},
+            "ties= names 'out.weight', which ignore= leaves out, so that claim would never "
+            "be checked; drop it from ties= or from ignore=",
+        ),
+    ):
+        with pytest.raises(CertificateError) as error:
+            certify(*files, **kwargs)  # type: ignore[arg-type]
+        assert str(error.value) == "certify(): " + message
+
+
 def test_key_picks_the_group_of_base_and_tuned_and_an_adapter_is_read_at_its_top_level(
     tmp_path: Path,
 ) -> None:
