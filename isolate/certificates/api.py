@@ -157,7 +157,8 @@ def certify(
     Raises:
         CertificateError: nothing to certify, a selector or row that names no key, a dtype
             or shape that differs between the files, an adapter that does not fit its base,
-            an ``ignore`` that leaves out every key or a key that ``rows`` or ``ties`` name.
+            an ``ignore`` that leaves out every key or a key that ``rows`` or ``ties`` name,
+            a spec file that does not parse.
         CheckpointReadError: a file that is truncated, not weights-only, or not a checkpoint.
         SelectorError: a spec selector that matches no key, or a ``type:`` selector.
 

@@ -88,25 +88,41 @@ def load_spec(spec: object) -> SpecData:
         path = Path(spec)
         if not path.is_file():
             raise CertificateError(f"{CALLER}: spec file {str(path)!r} does not exist")
-        text = path.read_text()
-        if path.suffix.lower() == ".json":
-            data: Any = json.loads(text)
-        else:
-            try:
-                import yaml
-            except ImportError:
-                raise CertificateError(
-                    f"{CALLER}: reading the YAML spec {path.name} needs PyYAML (pip install "
-                    f"pyyaml), or give the spec as JSON"
-                ) from None
-            data = yaml.safe_load(text)
-        spec = data
+        spec = _parse(path)
     if isinstance(spec, Mapping):
         return SpecData.from_dict(spec)
     raise CertificateError(
         f"{CALLER}: spec must be an IsolationSpec, its dict, or a JSON/YAML file of it; got "
         f"{type(spec).__name__}"
     )
+
+
+def _parse(path: Path) -> Any:
+    """The data of a JSON or YAML spec file, or the error that says why it cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".json":
+            return json.loads(text)
+    except UnicodeDecodeError:
+        raise CertificateError(
+            f"{CALLER}: cannot read the spec {path.name}: not UTF-8 text"
+        ) from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise CertificateError(f"{CALLER}: cannot read the spec {path.name}: {error}") from None
+    try:
+        import yaml
+    except ImportError:
+        raise CertificateError(
+            f"{CALLER}: reading the YAML spec {path.name} needs PyYAML (pip install "
+            f"pyyaml), or give the spec as JSON"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        why = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise CertificateError(f"{CALLER}: cannot read the spec {path.name}: {why}{at}") from None
 
 
 def _is_float(meta: TensorMeta) -> bool:
