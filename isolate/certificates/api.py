@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -158,7 +159,7 @@ def certify(
         CertificateError: nothing to certify, a selector or row that names no key, a dtype
             or shape that differs between the files, an adapter that does not fit its base,
             an ``ignore`` that leaves out every key or a key that ``rows`` or ``ties`` name,
-            a spec file that does not parse.
+            a spec file that does not parse, ``ulps`` negative or not finite.
         CheckpointReadError: a file that is truncated, not weights-only, or not a checkpoint.
         SelectorError: a spec selector that matches no key, or a ``type:`` selector.
 
@@ -175,6 +176,12 @@ def certify(
     >>> folder.cleanup()
     """
     parsed_spec, config = _requested(spec, prefix, adapter_config, adapter, rows, ties)
+    if not isinstance(ulps, (int, float)) or isinstance(ulps, bool) or not 0 <= ulps < math.inf:
+        # a negative bound makes every error's ratio negative: every merge would pass
+        raise CertificateError(
+            f"{CALLER}: ulps must be a finite number >= 0 (the merge tolerance in units of the "
+            f"dtype's rounding), got {ulps!r}"
+        )
     with ExitStack() as stack:
         readers = [stack.enter_context(open_checkpoint(p, key=key)) for p in (base, tuned)]
         for reader in readers:

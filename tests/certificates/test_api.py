@@ -4,6 +4,7 @@ what it records of them in the certificate."""
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,23 @@ def test_an_ignore_that_would_leave_a_claim_unchecked_is_refused(tmp_path: Path)
         with pytest.raises(CertificateError) as error:
             certify(*files, **kwargs)  # type: ignore[arg-type]
         assert str(error.value) == "certify(): " + message
+
+
+@pytest.mark.parametrize("ulps", [-1.0, math.inf, math.nan, "2"], ids=repr)
+def test_a_merge_tolerance_that_is_not_a_finite_count_of_ulps_is_refused(
+    tmp_path: Path, ulps: object
+) -> None:
+    adapter = lora_adapter()
+    paths = write_lora(tmp_path, merged(lora_base(), adapter, scale=1.0), adapter)  # merge off
+    files = (paths["base"], paths["tuned"])
+    kwargs = {"adapter_config": paths["config"], "adapter": paths["adapter"]}
+    assert certify(*files, **kwargs).verdict("model.layers.0.q_proj.weight").ok is False
+    with pytest.raises(CertificateError) as error:
+        certify(*files, **kwargs, ulps=ulps)  # type: ignore[arg-type]
+    assert str(error.value) == (
+        f"certify(): ulps must be a finite number >= 0 (the merge tolerance in units of the "
+        f"dtype's rounding), got {ulps!r}"
+    )
 
 
 def test_key_picks_the_group_of_base_and_tuned_and_an_adapter_is_read_at_its_top_level(
