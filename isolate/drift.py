@@ -153,8 +153,15 @@ class Snapshot:
         names = Names.of(self._module, aliases=True)  # FSDP2: the shards, not temporaries
         return {**names.params, **names.buffers}
 
-    def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
+    def _compare(self, atol: float, caller: str) -> list[tuple[_Entry, torch.Tensor | None, float]]:
         current = self._current()
+        for entry in self._entries:
+            now = current.get(entry.name)
+            if now is not None and local_tensor(now).device.type == "meta":
+                raise IsolationTypeError(
+                    f"{caller}: {entry.name!r} is now a meta tensor, with no values to compare "
+                    f"with the snapshot; check it before the model leaves its weights"
+                )
         prints = fingerprints_as(  # tied tensors are read once
             (now, e.print)
             for e in self._entries
@@ -187,7 +194,8 @@ class Snapshot:
                 with a fingerprint snapshot.
 
         Raises:
-            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot.
+            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot,
+                or a tensor recorded is now on the meta device (no values to compare).
 
         >>> model = nn.Linear(2, 1)
         >>> _ = nn.init.zeros_(model.bias)
@@ -198,7 +206,7 @@ class Snapshot:
         ({'bias': 0.5}, {'bias': nan})
         """
         self._check_atol("changed()", atol)
-        return {e.name: d for e, _, d in self._compare(atol) if not d <= atol}
+        return {e.name: d for e, _, d in self._compare(atol, "changed()") if not d <= atol}
 
     def replaced(self) -> tuple[str, ...]:
         """Names that point to a different tensor object than at the snapshot.
@@ -213,7 +221,8 @@ class Snapshot:
             that reuses the memory of a freed one is therefore not reported here; its
             values are still compared.
         """
-        return tuple(e.name for e, now, _ in self._compare(math.inf) if id(now) != e.ident)
+        compared = self._compare(math.inf, "replaced()")
+        return tuple(e.name for e, now, _ in compared if id(now) != e.ident)
 
     def require_tensors(self, caller: str) -> None:
         """Refuse a snapshot that recorded nothing: asserting on it could never fail."""
@@ -246,7 +255,8 @@ class Snapshot:
             DriftError: naming every tensor that moved, whether it is a parameter or a
                 buffer, its ``requires_grad``, its max |Δ| and how many elements moved (with
                 a copy), and the likely cause.
-            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot.
+            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot,
+                or a tensor recorded is now on the meta device (no values to compare).
             SelectorError: the snapshot recorded no tensor, so the assertion could never
                 fail (``parameters="frozen"`` before anything was frozen, say).
 
@@ -261,7 +271,7 @@ class Snapshot:
         caller = "assert_unchanged()"
         self._check_atol(caller, atol)
         self.require_tensors(caller)
-        moved = [(e, now, d) for e, now, d in self._compare(atol) if not d <= atol]
+        moved = [(e, now, d) for e, now, d in self._compare(atol, caller) if not d <= atol]
         if not moved:
             return
         width = max(len(e.name) for e, _, _ in moved)
@@ -342,8 +352,9 @@ def snapshot(
         A :class:`Snapshot`; call ``.changed()`` or ``.assert_unchanged()`` on it later.
 
     Raises:
-        IsolationTypeError: ``target`` is neither a module nor a mapping of tensors, or
-            ``names`` is given with a mapping.
+        IsolationTypeError: ``target`` is neither a module nor a mapping of tensors,
+            ``names`` is given with a mapping, or a tensor has no values to record (a meta
+            tensor, an uninitialised lazy parameter).
         SelectorError: ``parameters`` is not one of the filters above, ``names`` names no
             parameter or buffer of the module, or comes with a filter, or ``drift`` is
             neither ``"copy"`` nor ``"fingerprint"``.
@@ -465,6 +476,17 @@ def _record(
 ) -> Snapshot:
     """A :class:`Snapshot` of ``chosen``: a copy or a fingerprint of each tensor, one per
     tensor object (aliases, tied weights and shared buffers, share it)."""
+    for name, _, t, _ in chosen:
+        if isinstance(t, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
+            raise IsolationTypeError(
+                f"snapshot(): {name!r} is an uninitialised lazy parameter, with no values yet; "
+                f"run one forward pass to materialise it before the snapshot"
+            )
+        if local_tensor(t).device.type == "meta":
+            raise IsolationTypeError(
+                f"snapshot(): {name!r} is a meta tensor, with no values to record; load the "
+                f"weights (to_empty() then load_state_dict()) before the snapshot"
+            )
     saved: dict[int, tuple[torch.Tensor | None, Print | None]] = {}
     if drift == "fingerprint":
         prints = fingerprints(t for _, _, t, _ in chosen)

@@ -179,6 +179,38 @@ def test_a_dtype_change_that_keeps_every_value_is_a_change_in_both_modes(drift: 
     )
 
 
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_a_tensor_with_no_values_is_refused_by_name_at_the_snapshot_and_at_the_check(
+    drift: Drift,
+) -> None:
+    with pytest.raises(IsolationTypeError) as info:
+        snapshot(nn.Linear(2, 2).to("meta"), drift=drift)
+    assert str(info.value) == (
+        "snapshot(): 'weight' is a meta tensor, with no values to record; load the weights "
+        "(to_empty() then load_state_dict()) before the snapshot"
+    )
+    with pytest.raises(IsolationTypeError) as info:
+        snapshot(nn.Sequential(nn.LazyLinear(2)), drift=drift)
+    assert str(info.value) == (
+        "snapshot(): '0.weight' is an uninitialised lazy parameter, with no values yet; run "
+        "one forward pass to materialise it before the snapshot"
+    )
+    model = nn.Linear(2, 2)
+    snap = snapshot(model, drift=drift)
+    model.to("meta")
+    for check, caller in (
+        (snap.changed, "changed()"),
+        (snap.assert_unchanged, "assert_unchanged()"),
+        (snap.replaced, "replaced()"),
+    ):
+        with pytest.raises(IsolationTypeError) as info:
+            check()
+        assert str(info.value) == (
+            f"{caller}: 'weight' is now a meta tensor, with no values to compare with the "
+            f"snapshot; check it before the model leaves its weights"
+        )
+
+
 def test_missing_names_nan_and_integer_buffers() -> None:
     model = nn.Module()
     model.register_buffer("steps", torch.tensor(3))
