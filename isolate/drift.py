@@ -194,8 +194,9 @@ class Snapshot:
                 with a fingerprint snapshot.
 
         Raises:
-            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot,
-                or a tensor recorded is now on the meta device (no values to compare).
+            IsolationTypeError: ``atol`` is negative or infinite, or nonzero with a
+                fingerprint snapshot, or a tensor recorded is now on the meta device (no
+                values to compare).
 
         >>> model = nn.Linear(2, 1)
         >>> _ = nn.init.zeros_(model.bias)
@@ -236,7 +237,8 @@ class Snapshot:
         )
 
     def _check_atol(self, caller: str, atol: float) -> None:
-        if not isinstance(atol, (int, float)) or not atol >= 0:
+        if not isinstance(atol, (int, float)) or not 0 <= atol < math.inf:
+            # inf would pass everything, a tensor gone or reshaped (reported as inf) included
             raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
         if atol and self.drift != "copy":
             raise IsolationTypeError(
@@ -255,8 +257,9 @@ class Snapshot:
             DriftError: naming every tensor that moved, whether it is a parameter or a
                 buffer, its ``requires_grad``, its max |Δ| and how many elements moved (with
                 a copy), and the likely cause.
-            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot,
-                or a tensor recorded is now on the meta device (no values to compare).
+            IsolationTypeError: ``atol`` is negative or infinite, or nonzero with a
+                fingerprint snapshot, or a tensor recorded is now on the meta device (no
+                values to compare).
             SelectorError: the snapshot recorded no tensor, so the assertion could never
                 fail (``parameters="frozen"`` before anything was frozen, say).
 

@@ -279,6 +279,20 @@ def test_snapshot_errors(call: Callable[[], Any], error: type[Exception], messag
         call()
 
 
+def test_an_infinite_tolerance_is_refused_since_nothing_could_fail_it() -> None:
+    model = nn.Linear(2, 2)
+    snap = snapshot(model)
+    model.weight = nn.Parameter(torch.zeros(3, 3))  # changed shape: reported as inf
+    for check, caller in (
+        (snap.changed, "changed()"),
+        (snap.assert_unchanged, "assert_unchanged()"),
+    ):
+        with pytest.raises(IsolationTypeError) as info:
+            check(atol=math.inf)
+        assert str(info.value) == f"{caller}: atol must be a number >= 0, got inf"
+    assert snap.changed(atol=1e300) == {"weight": math.inf}
+
+
 # --------------------------------------------------------------------------------------------
 # snapshot(drift="fingerprint"): fingerprints instead of copies
 
