@@ -490,6 +490,12 @@ def _record(
                 f"snapshot(): {name!r} is a meta tensor, with no values to record; load the "
                 f"weights (to_empty() then load_state_dict()) before the snapshot"
             )
+        if t.is_quantized:  # its bytes are its int_repr(): a change of scale would not show
+            raise IsolationTypeError(
+                f"snapshot(): {name!r} is a quantised {t.dtype} tensor, which cannot be "
+                f"compared; record its int_repr(), q_scale() and q_zero_point() (or its "
+                f"dequantize()) instead"
+            )
     saved: dict[int, tuple[torch.Tensor | None, Print | None]] = {}
     if drift == "fingerprint":
         prints = fingerprints(t for _, _, t, _ in chosen)

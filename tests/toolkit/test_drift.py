@@ -211,6 +211,20 @@ def test_a_tensor_with_no_values_is_refused_by_name_at_the_snapshot_and_at_the_c
         )
 
 
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_a_quantised_tensor_is_refused_by_name_since_its_scale_is_not_in_its_values(
+    drift: Drift,
+) -> None:
+    model = nn.Module()
+    model.register_buffer("q", torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8))
+    with pytest.raises(IsolationTypeError) as info:
+        snapshot(model, drift=drift)
+    assert str(info.value) == (
+        "snapshot(): 'q' is a quantised torch.qint8 tensor, which cannot be compared; record "
+        "its int_repr(), q_scale() and q_zero_point() (or its dequantize()) instead"
+    )
+
+
 def test_missing_names_nan_and_integer_buffers() -> None:
     model = nn.Module()
     model.register_buffer("steps", torch.tensor(3))
