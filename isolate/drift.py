@@ -69,6 +69,7 @@ class _Entry:
     saved: torch.Tensor | None  # the copy, or None for a fingerprint
     print: Print | None  # the fingerprint and its scheme; None with a copy
     shape: tuple[int, ...]
+    dtype: torch.dtype  # checked first: an fp32 weight cast to bf16 can keep every value
     # The object snapshotted, to notice when a name points elsewhere later: its id for
     # modules (a weak reference would make torch refuse to swap the tensor in
     # load_state_dict or module.to() under swap_module_params_on_conversion, and a strong
@@ -76,6 +77,11 @@ class _Entry:
     # gets checked).
     ident: int
     held: torch.Tensor | None
+
+    def same_kind(self, now: torch.Tensor) -> bool:
+        """Whether ``now`` has the recorded shape and dtype (else its values cannot compare)."""
+        local = local_tensor(now)
+        return tuple(local.shape) == self.shape and local.dtype == self.dtype
 
 
 class Snapshot:
@@ -147,24 +153,27 @@ class Snapshot:
         names = Names.of(self._module, aliases=True)  # FSDP2: the shards, not temporaries
         return {**names.params, **names.buffers}
 
-    def _compare(self, atol: float) -> list[tuple[_Entry, torch.Tensor | None, float]]:
+    def _compare(self, atol: float, caller: str) -> list[tuple[_Entry, torch.Tensor | None, float]]:
         current = self._current()
+        for entry in self._entries:
+            now = current.get(entry.name)
+            if now is not None and local_tensor(now).device.type == "meta":
+                raise IsolationTypeError(
+                    f"{caller}: {entry.name!r} is now a meta tensor, with no values to compare "
+                    f"with the snapshot; check it before the model leaves its weights"
+                )
         prints = fingerprints_as(  # tied tensors are read once
             (now, e.print)
             for e in self._entries
-            if e.print is not None
-            and (now := current.get(e.name)) is not None
-            and tuple(local_tensor(now).shape) == e.shape
+            if e.print is not None and (now := current.get(e.name)) is not None and e.same_kind(now)
         )
         out = []
         for entry in self._entries:
             now = current.get(entry.name)
-            if now is None:
+            if now is None or not entry.same_kind(now):
                 delta = math.inf
             elif entry.saved is not None:
                 delta = max_abs_diff(entry.saved, now)
-            elif tuple(local_tensor(now).shape) != entry.shape:
-                delta = math.inf
             else:
                 delta = 0.0 if prints[id(now)] == entry.print else math.nan
             if not delta <= atol or id(now) != entry.ident:
@@ -174,18 +183,20 @@ class Snapshot:
     def changed(self, *, atol: float = 0.0) -> dict[str, float]:
         """Name -> max |Δ| of every tensor whose values moved by more than ``atol``.
 
-        A tensor that is gone, or whose shape changed, reports ``inf``; NaN where there was a
-        number (or the other way round) reports ``nan``. A fingerprint snapshot
-        (``drift="fingerprint"``) knows that a tensor changed, not by how much: every changed tensor
-        reports ``nan`` (test with ``math.isnan``; ``nan > 0`` is False), except ``inf`` for
-        one that is gone or changed shape.
+        A tensor that is gone, or whose shape or dtype changed, reports ``inf``; NaN where
+        there was a number (or the other way round) reports ``nan``. A fingerprint snapshot
+        (``drift="fingerprint"``) knows that a tensor changed, not by how much: every changed
+        tensor reports ``nan`` (test with ``math.isnan``; ``nan > 0`` is False), except
+        ``inf`` for one that is gone or changed shape or dtype.
 
         Args:
             atol: the largest |Δ| per element that still counts as unchanged; only ``0``
                 with a fingerprint snapshot.
 
         Raises:
-            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot.
+            IsolationTypeError: ``atol`` is negative or infinite, or nonzero with a
+                fingerprint snapshot, or a tensor recorded is now on the meta device (no
+                values to compare).
 
         >>> model = nn.Linear(2, 1)
         >>> _ = nn.init.zeros_(model.bias)
@@ -196,7 +207,7 @@ class Snapshot:
         ({'bias': 0.5}, {'bias': nan})
         """
         self._check_atol("changed()", atol)
-        return {e.name: d for e, _, d in self._compare(atol) if not d <= atol}
+        return {e.name: d for e, _, d in self._compare(atol, "changed()") if not d <= atol}
 
     def replaced(self) -> tuple[str, ...]:
         """Names that point to a different tensor object than at the snapshot.
@@ -211,7 +222,8 @@ class Snapshot:
             that reuses the memory of a freed one is therefore not reported here; its
             values are still compared.
         """
-        return tuple(e.name for e, now, _ in self._compare(math.inf) if id(now) != e.ident)
+        compared = self._compare(math.inf, "replaced()")
+        return tuple(e.name for e, now, _ in compared if id(now) != e.ident)
 
     def require_tensors(self, caller: str) -> None:
         """Refuse a snapshot that recorded nothing: asserting on it could never fail."""
@@ -225,7 +237,8 @@ class Snapshot:
         )
 
     def _check_atol(self, caller: str, atol: float) -> None:
-        if not isinstance(atol, (int, float)) or not atol >= 0:
+        if not isinstance(atol, (int, float)) or not 0 <= atol < math.inf:
+            # inf would pass everything, a tensor gone or reshaped (reported as inf) included
             raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
         if atol and self.drift != "copy":
             raise IsolationTypeError(
@@ -244,7 +257,9 @@ class Snapshot:
             DriftError: naming every tensor that moved, whether it is a parameter or a
                 buffer, its ``requires_grad``, its max |Δ| and how many elements moved (with
                 a copy), and the likely cause.
-            IsolationTypeError: ``atol`` is negative, or nonzero with a fingerprint snapshot.
+            IsolationTypeError: ``atol`` is negative or infinite, or nonzero with a
+                fingerprint snapshot, or a tensor recorded is now on the meta device (no
+                values to compare).
             SelectorError: the snapshot recorded no tensor, so the assertion could never
                 fail (``parameters="frozen"`` before anything was frozen, say).
 
@@ -259,7 +274,7 @@ class Snapshot:
         caller = "assert_unchanged()"
         self._check_atol(caller, atol)
         self.require_tensors(caller)
-        moved = [(e, now, d) for e, now, d in self._compare(atol) if not d <= atol]
+        moved = [(e, now, d) for e, now, d in self._compare(atol, caller) if not d <= atol]
         if not moved:
             return
         width = max(len(e.name) for e, _, _ in moved)
@@ -269,6 +284,8 @@ class Snapshot:
                 detail = "is gone (no tensor of that name any more)"
             elif tuple(local_tensor(now).shape) != entry.shape:
                 detail = f"changed shape {entry.shape} -> {tuple(local_tensor(now).shape)}"
+            elif local_tensor(now).dtype != entry.dtype:
+                detail = f"changed dtype {entry.dtype} -> {local_tensor(now).dtype}"
             elif entry.saved is None:
                 detail = (
                     "changed (fingerprint differs; snapshot(..., drift='copy') tells by how much)"
@@ -338,8 +355,9 @@ def snapshot(
         A :class:`Snapshot`; call ``.changed()`` or ``.assert_unchanged()`` on it later.
 
     Raises:
-        IsolationTypeError: ``target`` is neither a module nor a mapping of tensors, or
-            ``names`` is given with a mapping.
+        IsolationTypeError: ``target`` is neither a module nor a mapping of tensors,
+            ``names`` is given with a mapping, or a tensor has no values to record (a meta
+            tensor, an uninitialised lazy parameter).
         SelectorError: ``parameters`` is not one of the filters above, ``names`` names no
             parameter or buffer of the module, or comes with a filter, or ``drift`` is
             neither ``"copy"`` nor ``"fingerprint"``.
@@ -461,6 +479,23 @@ def _record(
 ) -> Snapshot:
     """A :class:`Snapshot` of ``chosen``: a copy or a fingerprint of each tensor, one per
     tensor object (aliases, tied weights and shared buffers, share it)."""
+    for name, _, t, _ in chosen:
+        if isinstance(t, nn.parameter.UninitializedParameter | nn.parameter.UninitializedBuffer):
+            raise IsolationTypeError(
+                f"snapshot(): {name!r} is an uninitialised lazy parameter, with no values yet; "
+                f"run one forward pass to materialise it before the snapshot"
+            )
+        if local_tensor(t).device.type == "meta":
+            raise IsolationTypeError(
+                f"snapshot(): {name!r} is a meta tensor, with no values to record; load the "
+                f"weights (to_empty() then load_state_dict()) before the snapshot"
+            )
+        if t.is_quantized:  # its bytes are its int_repr(): a change of scale would not show
+            raise IsolationTypeError(
+                f"snapshot(): {name!r} is a quantised {t.dtype} tensor, which cannot be "
+                f"compared; record its int_repr(), q_scale() and q_zero_point() (or its "
+                f"dequantize()) instead"
+            )
     saved: dict[int, tuple[torch.Tensor | None, Print | None]] = {}
     if drift == "fingerprint":
         prints = fingerprints(t for _, _, t, _ in chosen)
@@ -472,5 +507,5 @@ def _record(
             saved[id(t)] = (local.clone() if device is None else local.to(device, copy=True), None)
         kept, print_ = saved[id(t)]
         shape, held = tuple(local.shape), t if strong else None
-        entries.append(_Entry(name, kind, kept, print_, shape, id(t), held))
+        entries.append(_Entry(name, kind, kept, print_, shape, local.dtype, id(t), held))
     return Snapshot(entries, module, description, drift, device)

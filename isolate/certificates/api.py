@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -68,6 +69,30 @@ def _check_pairs(base: Checkpoint, tuned: Checkpoint, ignored: frozenset[str]) -
         )
 
 
+def _check_ignored(
+    ignored: frozenset[str],
+    names: Sequence[str],
+    ignore: Sequence[str],
+    rows: Mapping[str, Sequence[int]] | None,
+    ties: Sequence[tuple[str, ...]],
+    where: str,
+) -> None:
+    """Refuse an ``ignore=`` that leaves every key out, or a key that rows= or ties= name: a
+    claim left out is never checked, and the certificate would pass it."""
+    if names and ignored.issuperset(names):
+        raise CertificateError(
+            f"{CALLER}: ignore={list(ignore)} leaves out all {where}, so the certificate "
+            f"would pass whatever the files hold; leave out fewer keys"
+        )
+    for option, keys in (("rows=", list(rows or {})), ("ties=", [k for t in ties for k in t])):
+        for key in keys:
+            if key in ignored:
+                raise CertificateError(
+                    f"{CALLER}: {option} names {key!r}, which ignore= leaves out, so that claim "
+                    f"would never be checked; drop it from {option} or from ignore="
+                )
+
+
 def _record(reader: Checkpoint) -> FileRecord:
     hashes = reader.file_hashes()
     return FileRecord(str(reader.path), reader.format, hashes, reader.group, tuple(reader.skipped))
@@ -132,7 +157,9 @@ def certify(
 
     Raises:
         CertificateError: nothing to certify, a selector or row that names no key, a dtype
-            or shape that differs between the files, an adapter that does not fit its base.
+            or shape that differs between the files, an adapter that does not fit its base,
+            an ``ignore`` that leaves out every key or a key that ``rows`` or ``ties`` name,
+            a spec file that does not parse, ``ulps`` negative or not finite.
         CheckpointReadError: a file that is truncated, not weights-only, or not a checkpoint.
         SelectorError: a spec selector that matches no key, or a ``type:`` selector.
 
@@ -149,6 +176,12 @@ def certify(
     >>> folder.cleanup()
     """
     parsed_spec, config = _requested(spec, prefix, adapter_config, adapter, rows, ties)
+    if not isinstance(ulps, (int, float)) or isinstance(ulps, bool) or not 0 <= ulps < math.inf:
+        # a negative bound makes every error's ratio negative: every merge would pass
+        raise CertificateError(
+            f"{CALLER}: ulps must be a finite number >= 0 (the merge tolerance in units of the "
+            f"dtype's rounding), got {ulps!r}"
+        )
     with ExitStack() as stack:
         readers = [stack.enter_context(open_checkpoint(p, key=key)) for p in (base, tuned)]
         for reader in readers:
@@ -163,6 +196,7 @@ def certify(
         ignored = frozenset(select_names(names, ignore, CALLER, where=where))
         claims = _claims(first, parsed_spec, config, lora, rows, buffers)
         declared = with_ties(ties, first.metas, where=first.path.name)
+        _check_ignored(ignored, names, ignore, rows, declared, where)
         _check_pairs(first, second, ignored)
         job = Pass(first, second, claims, lora, declared, detect_ties, ulps, ignored)
         verdicts: list[Verdict] = run(job)

@@ -3,9 +3,10 @@
 An :class:`~isolate.spec.IsolationSpec`'s ``freeze`` selectors are matched against the
 checkpoint's key names (no model): a frozen parameter must be bitwise unchanged; a parameter
 the spec does not freeze must have moved; a thawed one may have; BatchNorm statistics under
-the frozen part must be held when ``bn="eval"``. Which keys are buffers cannot be read from a
-state dict, so it is declared: ``buffers`` globs (by default BatchNorm's running statistics),
-and every tensor that is not floating point (autograd cannot train it).
+the frozen part must be held when the spec holds them in eval mode (``bn="eval"`` unless
+``mode`` says otherwise). Which keys are buffers cannot be read from a state dict, so it is
+declared: ``buffers`` globs (by default BatchNorm's running statistics), and every tensor
+that is not floating point (autograd cannot train it).
 """
 
 from __future__ import annotations
@@ -88,25 +89,41 @@ def load_spec(spec: object) -> SpecData:
         path = Path(spec)
         if not path.is_file():
             raise CertificateError(f"{CALLER}: spec file {str(path)!r} does not exist")
-        text = path.read_text()
-        if path.suffix.lower() == ".json":
-            data: Any = json.loads(text)
-        else:
-            try:
-                import yaml
-            except ImportError:
-                raise CertificateError(
-                    f"{CALLER}: reading the YAML spec {path.name} needs PyYAML (pip install "
-                    f"pyyaml), or give the spec as JSON"
-                ) from None
-            data = yaml.safe_load(text)
-        spec = data
+        spec = _parse(path)
     if isinstance(spec, Mapping):
         return SpecData.from_dict(spec)
     raise CertificateError(
         f"{CALLER}: spec must be an IsolationSpec, its dict, or a JSON/YAML file of it; got "
         f"{type(spec).__name__}"
     )
+
+
+def _parse(path: Path) -> Any:
+    """The data of a JSON or YAML spec file, or the error that says why it cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".json":
+            return json.loads(text)
+    except UnicodeDecodeError:
+        raise CertificateError(
+            f"{CALLER}: cannot read the spec {path.name}: not UTF-8 text"
+        ) from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise CertificateError(f"{CALLER}: cannot read the spec {path.name}: {error}") from None
+    try:
+        import yaml
+    except ImportError:
+        raise CertificateError(
+            f"{CALLER}: reading the YAML spec {path.name} needs PyYAML (pip install "
+            f"pyyaml), or give the spec as JSON"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        why = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise CertificateError(f"{CALLER}: cannot read the spec {path.name}: {why}{at}") from None
 
 
 def _is_float(meta: TensorMeta) -> bool:
@@ -139,14 +156,16 @@ def spec_claims(
             thawed.setdefault(key, f"thawed by the spec ({step.name} at {step.when})")
     declared = set(select_names(names, buffers, CALLER, where=what, each_must_match=False))
     held = _held_modules(metas, declared, frozen)
+    # mode, when given, overrides bn for the frozen part's layers, as the engine applies it
+    policy = f"mode={spec.mode!r}" if spec.mode else f"bn={spec.bn!r}"
     claims: dict[str, Claim] = {}
     for key, meta in metas.items():
         if key in declared or not _is_float(meta):
             covered = key in frozen or key.rpartition(".")[0] in held
-            if covered and key in declared and spec.bn == "train":
-                claims[key] = Claim("free", "spec bn='train': statistics of frozen layers update")
+            if covered and key in declared and spec.policy == "train":
+                claims[key] = Claim("free", f"spec {policy}: statistics of frozen layers update")
             elif covered:
-                claims[key] = Claim("held", f"buffer of the frozen part (spec bn={spec.bn!r})")
+                claims[key] = Claim("held", f"buffer of the frozen part (spec {policy})")
             else:
                 claims[key] = Claim("free", "buffer outside the frozen part")
         elif key in thawed:

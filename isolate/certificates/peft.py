@@ -202,6 +202,13 @@ def adapter_claims(
             continue
         saved = PREFIX + key
         if adapter is not None and saved in adapter.metas:
+            copy = adapter.metas[saved]
+            if copy.shape != metas[key].shape:  # a dtype may differ: the copy is cast
+                raise CertificateError(
+                    f"{CALLER}: adapter key {saved!r} {copy} does not fit the base weight "
+                    f"{key!r} {metas[key]} it is saved for (modules_to_save); is this the "
+                    f"adapter of this base?"
+                )
             claims[key] = Claim("saved", "modules_to_save", saved=saved)
         else:
             claims[key] = Claim("trainable", "modules_to_save (adapter weights not given)")

@@ -106,6 +106,12 @@ class TorchCheckpoint(Checkpoint):
                     f"{self.where(str(name))}: a {value.layout} tensor; certify reads dense "
                     f"tensors only: save it with .to_dense()"
                 )
+            if value.is_quantized:
+                raise CheckpointReadError(
+                    f"{self.where(str(name))}: a quantised {value.dtype} tensor, whose bytes do "
+                    f"not hold its scale and zero point; certify reads plain tensors only: save "
+                    f"its int_repr(), q_scale() and q_zero_point(), or its dequantize()"
+                )
             index[str(name)] = value
             self._metas[str(name)] = TensorMeta(value.dtype, tuple(value.shape))
         self.group = self._group or None

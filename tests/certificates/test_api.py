@@ -4,6 +4,7 @@ what it records of them in the certificate."""
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,49 @@ def test_an_ignore_selector_is_matched_against_the_keys_of_both_files(tmp_path: 
     assert str(error.value) == (
         "certify(): 'hed' matched none of the keys of base.pt and tuned.pt; closest: "
         "['head', 'head.bias', 'embed']"
+    )
+
+
+def test_an_ignore_that_would_leave_a_claim_unchecked_is_refused(tmp_path: Path) -> None:
+    tuned = trained(base_state())
+    tuned["embed.weight"][1] += 1  # rows 0 of the claim below did not move, and out.weight is
+    files = pair(tmp_path, "torch", tuned)  # no longer embed.weight: both claims would fail
+    for kwargs, message in (
+        (
+            {"spec": SPEC, "ignore": ["*"]},
+            "ignore=['*'] leaves out all the keys of base.pt and tuned.pt, so the certificate "
+            "would pass whatever the files hold; leave out fewer keys",
+        ),
+        (
+            {"rows": {"embed.weight": [0]}, "ignore": ["embed"]},
+            "rows= names 'embed.weight', which ignore= leaves out, so that claim would never "
+            "be checked; drop it from rows= or from ignore=",
+        ),
+        (
+            {"ties": [["embed.weight", "out.weight"]], "ignore": ["out"]},
+            "ties= names 'out.weight', which ignore= leaves out, so that claim would never "
+            "be checked; drop it from ties= or from ignore=",
+        ),
+    ):
+        with pytest.raises(CertificateError) as error:
+            certify(*files, **kwargs)  # type: ignore[arg-type]
+        assert str(error.value) == "certify(): " + message
+
+
+@pytest.mark.parametrize("ulps", [-1.0, math.inf, math.nan, "2"], ids=repr)
+def test_a_merge_tolerance_that_is_not_a_finite_count_of_ulps_is_refused(
+    tmp_path: Path, ulps: object
+) -> None:
+    adapter = lora_adapter()
+    paths = write_lora(tmp_path, merged(lora_base(), adapter, scale=1.0), adapter)  # merge off
+    files = (paths["base"], paths["tuned"])
+    kwargs = {"adapter_config": paths["config"], "adapter": paths["adapter"]}
+    assert certify(*files, **kwargs).verdict("model.layers.0.q_proj.weight").ok is False
+    with pytest.raises(CertificateError) as error:
+        certify(*files, **kwargs, ulps=ulps)  # type: ignore[arg-type]
+    assert str(error.value) == (
+        f"certify(): ulps must be a finite number >= 0 (the merge tolerance in units of the "
+        f"dtype's rounding), got {ulps!r}"
     )
 
 

@@ -88,6 +88,22 @@ def test_the_statistics_of_a_frozen_layer_are_held_or_free_as_the_spec_s_bn_says
     }
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_the_statistics_of_a_frozen_layer_follow_the_spec_s_mode_over_its_bn(mode: str) -> None:
+    metas = {
+        "norm.weight": TensorMeta(torch.float32, (4,)),
+        "norm.running_mean": TensorMeta(torch.float32, (4,)),
+        "head.weight": F32,
+    }
+    spec = SpecData.from_dict({"freeze": ["norm"], "mode": mode})  # bn left at 'eval'
+    claim = spec_claims(spec, metas, where="b.pt")["norm.running_mean"]
+    assert (claim.kind, claim.source) == (
+        ("held", "buffer of the frozen part (spec mode='eval')")
+        if mode == "eval"
+        else ("free", "spec mode='train': statistics of frozen layers update")
+    )
+
+
 def test_rows_are_sorted_once_each_and_refused_word_for_word_where_they_cannot_be_claimed() -> None:
     metas = {"w": TensorMeta(torch.float32, (4, 2)), "n": TensorMeta(torch.int64, (4,))}
     metas["s"] = TensorMeta(torch.float32, ())

@@ -35,6 +35,37 @@ def test_clean_run_exits_0_and_writes_the_certificate(
     assert data["clean"] is True and data["claims"]["spec"]["freeze"] == ["trunk"]
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "why"),
+    [
+        (
+            "spec.json",
+            "{freeze",
+            "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        ),
+        (
+            "spec.yaml",
+            "freeze: [trunk\n",
+            "expected ',' or ']', but got '<stream end>' (line 2, column 1)",
+        ),
+        ("spec.yaml", b"\xff\xfe\x00", "not UTF-8 text"),
+    ],
+    ids=["json", "yaml", "binary"],
+)
+def test_a_spec_file_that_does_not_parse_exits_2_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str | bytes, why: str
+) -> None:
+    files = [str(p) for p in pair(tmp_path, "torch", trained(base_state()))]
+    spec = tmp_path / name
+    spec.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main([*files, "--spec", str(spec)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err == f"isolate certify: error: certify(): cannot read the spec {name}: {why}\n"
+    )
+
+
 def test_a_failed_claim_exits_1_and_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

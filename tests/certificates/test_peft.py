@@ -86,6 +86,20 @@ def test_modules_to_save_must_be_the_adapters_copy(tmp_path: Path) -> None:
     assert "the trained copy was dropped at merge" in fail.detail
 
 
+def test_a_modules_to_save_copy_that_does_not_fit_its_base_is_refused(tmp_path: Path) -> None:
+    adapter = lora_adapter(head=True)
+    paths = write_lora(tmp_path, merged(lora_base(), adapter), adapter, modules_to_save=["lm_head"])
+    adapter["base_model.model.lm_head.weight"] = torch.zeros(12, 4, dtype=torch.bfloat16)
+    save_file(adapter, str(paths["adapter"]))  # the copy of a head of another base
+    with pytest.raises(CertificateError) as error:
+        _certify(paths)
+    assert str(error.value) == (
+        "certify(): adapter key 'base_model.model.lm_head.weight' bfloat16[12, 4] does not fit "
+        "the base weight 'lm_head.weight' bfloat16[12, 8] it is saved for (modules_to_save); "
+        "is this the adapter of this base?"
+    )
+
+
 def test_an_adapter_that_never_trained_is_named(tmp_path: Path) -> None:
     adapter = lora_adapter()
     adapter[f"base_model.model.{TARGET}.lora_B.weight"].zero_()

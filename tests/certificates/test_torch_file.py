@@ -153,6 +153,19 @@ def test_a_tensor_past_the_end_of_its_record_is_named_with_both_ends(
     )
 
 
+def test_a_quantised_tensor_is_refused_by_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "x.pt"
+    quantised = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    torch.save({"w": torch.ones(2), "q": quantised}, path)
+    with pytest.raises(CheckpointReadError) as error:
+        TorchCheckpoint(path)
+    assert str(error.value) == (
+        "x.pt, tensor 'q': a quantised torch.qint8 tensor, whose bytes do not hold its scale "
+        "and zero point; certify reads plain tensors only: save its int_repr(), q_scale() and "
+        "q_zero_point(), or its dequantize()"
+    )
+
+
 def test_a_sparse_tensor_is_refused_as_one_not_as_a_corrupt_file(tmp_path: Path) -> None:
     path = tmp_path / "x.pt"
     torch.save({"w": torch.ones(2), "s": torch.eye(2).to_sparse()}, path)

@@ -157,6 +157,74 @@ def test_replaced_parameters_are_noticed() -> None:
         snap.assert_unchanged()
 
 
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_a_dtype_change_that_keeps_every_value_is_a_change_in_both_modes(drift: Drift) -> None:
+    model = nn.Linear(2, 2)
+    model.requires_grad_(False)
+    model.register_buffer("steps", torch.tensor(7))
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.5, -1.0], [2.0, 0.25]]))  # exact in bfloat16
+    snap = snapshot(model, drift=drift)
+    model.weight.data = model.weight.data.to(torch.bfloat16)
+    model.steps = model.steps.to(torch.int32)
+    assert snap.changed() == {"weight": math.inf, "steps": math.inf}
+    with pytest.raises(DriftError) as info:
+        snap.assert_unchanged()
+    lines = str(info.value).splitlines()
+    assert lines[1] == (
+        "  weight  (parameter, requires_grad=False) changed dtype torch.float32 -> torch.bfloat16"
+    )
+    assert lines[2] == (
+        "  steps   (buffer, replaced by a new object) changed dtype torch.int64 -> torch.int32"
+    )
+
+
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_a_tensor_with_no_values_is_refused_by_name_at_the_snapshot_and_at_the_check(
+    drift: Drift,
+) -> None:
+    with pytest.raises(IsolationTypeError) as info:
+        snapshot(nn.Linear(2, 2).to("meta"), drift=drift)
+    assert str(info.value) == (
+        "snapshot(): 'weight' is a meta tensor, with no values to record; load the weights "
+        "(to_empty() then load_state_dict()) before the snapshot"
+    )
+    with pytest.raises(IsolationTypeError) as info:
+        snapshot(nn.Sequential(nn.LazyLinear(2)), drift=drift)
+    assert str(info.value) == (
+        "snapshot(): '0.weight' is an uninitialised lazy parameter, with no values yet; run "
+        "one forward pass to materialise it before the snapshot"
+    )
+    model = nn.Linear(2, 2)
+    snap = snapshot(model, drift=drift)
+    model.to("meta")
+    for check, caller in (
+        (snap.changed, "changed()"),
+        (snap.assert_unchanged, "assert_unchanged()"),
+        (snap.replaced, "replaced()"),
+    ):
+        with pytest.raises(IsolationTypeError) as info:
+            check()
+        assert str(info.value) == (
+            f"{caller}: 'weight' is now a meta tensor, with no values to compare with the "
+            f"snapshot; check it before the model leaves its weights"
+        )
+
+
+@pytest.mark.parametrize("drift", ["copy", "fingerprint"])
+def test_a_quantised_tensor_is_refused_by_name_since_its_scale_is_not_in_its_values(
+    drift: Drift,
+) -> None:
+    model = nn.Module()
+    model.register_buffer("q", torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8))
+    with pytest.raises(IsolationTypeError) as info:
+        snapshot(model, drift=drift)
+    assert str(info.value) == (
+        "snapshot(): 'q' is a quantised torch.qint8 tensor, which cannot be compared; record "
+        "its int_repr(), q_scale() and q_zero_point() (or its dequantize()) instead"
+    )
+
+
 def test_missing_names_nan_and_integer_buffers() -> None:
     model = nn.Module()
     model.register_buffer("steps", torch.tensor(3))
@@ -223,6 +291,20 @@ def test_parameter_filters() -> None:
 def test_snapshot_errors(call: Callable[[], Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_an_infinite_tolerance_is_refused_since_nothing_could_fail_it() -> None:
+    model = nn.Linear(2, 2)
+    snap = snapshot(model)
+    model.weight = nn.Parameter(torch.zeros(3, 3))  # changed shape: reported as inf
+    for check, caller in (
+        (snap.changed, "changed()"),
+        (snap.assert_unchanged, "assert_unchanged()"),
+    ):
+        with pytest.raises(IsolationTypeError) as info:
+            check(atol=math.inf)
+        assert str(info.value) == f"{caller}: atol must be a number >= 0, got inf"
+    assert snap.changed(atol=1e300) == {"weight": math.inf}
 
 
 # --------------------------------------------------------------------------------------------
@@ -477,17 +559,27 @@ class _Complex(nn.Module):
         self.register_buffer("c", torch.tensor([1 + 1j, 2 + 0j]))
 
 
-@pytest.mark.parametrize(
-    "new", [torch.tensor([1 + 2j, 2 + 0j]), torch.tensor([1.0, 2.0])], ids=["complex", "real"]
-)
-def test_complex_buffers_are_compared_element_by_element(new: torch.Tensor) -> None:
+def test_complex_buffers_are_compared_element_by_element() -> None:
     model = _Complex()
     snap = snapshot(model)
-    model.c = new  # replaced: by a complex tensor, or by a real one that drops the imaginary 1j
+    model.c = torch.tensor([1 + 2j, 2 + 0j])
     with pytest.raises(DriftError) as info:
         snap.assert_unchanged()
     assert str(info.value).splitlines()[1] == (
         "  c  (buffer, replaced by a new object) max|Δ|=1.000e+00 in 1 of 2 elements"
+    )
+
+
+def test_a_complex_buffer_replaced_by_a_real_one_changed_dtype() -> None:
+    model = _Complex()
+    snap = snapshot(model)
+    model.c = torch.tensor([1.0, 2.0])  # drops the imaginary 1j
+    assert snap.changed() == {"c": math.inf}
+    assert max_abs_diff(torch.tensor([1 + 1j, 2 + 0j]), model.c) == 1.0
+    with pytest.raises(DriftError) as info:
+        snap.assert_unchanged()
+    assert str(info.value).splitlines()[1] == (
+        "  c  (buffer, replaced by a new object) changed dtype torch.complex64 -> torch.float32"
     )
 
 
