@@ -28,6 +28,7 @@ The helpers are plain functions and work without pytest:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -91,8 +92,9 @@ def assert_gradient_invariance(
     """
     __tracebackhide__ = True
     caller = "assert_gradient_invariance()"
-    if not isinstance(atol, (int, float)) or not atol >= 0:
-        # A negative or NaN tolerance would fail an exact isolation (0.0 > -1).
+    if not isinstance(atol, (int, float)) or not 0 <= atol < math.inf:
+        # A negative or NaN tolerance would fail an exact isolation (0.0 > -1), an infinite
+        # one pass every leak.
         raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
     result = gradient_invariance(main_loss, total_loss, protected, model=model)
     if not result.trainable:

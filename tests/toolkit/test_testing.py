@@ -170,7 +170,7 @@ def test_assert_gradient_invariance() -> None:
     assert_gradient_invariance(main, main + head.weight.sum(), encoder)
 
 
-@pytest.mark.parametrize("atol", [-1.0, float("nan"), "0", None, torch.tensor(0.0)])
+@pytest.mark.parametrize("atol", [-1.0, float("nan"), float("inf"), "0", None, torch.tensor(0.0)])
 def test_assert_gradient_invariance_refuses_a_tolerance_that_is_not_a_number_at_least_zero(
     atol: object,
 ) -> None:
