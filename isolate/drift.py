@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from isolate._delta import abs_difference, moved_elements, sparse_abs_difference, to_coo
+from isolate._delta import max_abs_diff, moved_elements
 from isolate._sharding import canonical_parameters
 from isolate._walker import Names
 from isolate.errors import DriftError, IsolationTypeError, SelectorError
@@ -32,34 +32,6 @@ ParameterFilter = Literal["all", "frozen", "trainable", "none"]
 _FILTERS = ("all", "frozen", "trainable", "none")
 Drift = Literal["copy", "fingerprint"]
 _DRIFT = ("copy", "fingerprint")
-
-
-def max_abs_diff(old: torch.Tensor, new: torch.Tensor) -> float:
-    """Max |new - old| over elements; NaN in both places counts as equal, ``inf`` on shape change.
-
-    Integer and bool tensors are subtracted as integers (exactly: ``num_batches_tracked``
-    steps by 1.0, and a change of 1 in ``2**61`` is a change) and reported as a float.
-    Sparse tensors (any layout) compare their stored entries; an entry present on one side
-    only counts against zero.
-
-    >>> max_abs_diff(torch.tensor([2**61 - 1]), torch.tensor([2**61 - 2]))
-    1.0
-    """
-    old, new = local_tensor(old), local_tensor(new)
-    if old.shape != new.shape:
-        return math.inf
-    if old.layout != torch.strided or new.layout != torch.strided:
-        a, b = to_coo(old), to_coo(new.to(old.device))
-        if a.indices().shape == b.indices().shape and torch.equal(a.indices(), b.indices()):
-            return max_abs_diff(a.values(), b.values())
-        moved = sparse_abs_difference(a, b)
-        return float(moved.max()) if moved.numel() else 0.0
-    if old.numel() == 0:
-        return 0.0
-    new = new.to(old.device)
-    if torch.equal(old, new):
-        return 0.0
-    return float(abs_difference(old, new).max())
 
 
 @dataclass(frozen=True)

@@ -192,20 +192,15 @@ class FreezeHandle:
         newer = [h for h in list(_active) if h._seq > self._seq and h._active and h._touches(self)]
         newer = [h for h in newer if all(h is not f for f in first)]
         if newer:
-            # By identity: each handle names its parameters from its own model's root.
+            # By identity, not by name: each handle names from its own model's root.
             ids = set().union(*(h._ids() for h in newer))
-            what = "parameters"
-            names = sorted(n for n, p in zip(self.names, self._params, strict=True) if id(p) in ids)
-            if not names:  # only layers held in a mode (a BatchNorm without affine)
-                what = "layers"
-                names = sorted(
-                    n or self._model_name
-                    for n, (m, _) in zip(self.held, self._modules, strict=True)
-                    if id(m) in ids
-                )
+            names = [n for n, p in zip(self.names, self._params, strict=True) if id(p) in ids]
+            held = zip(self.held, self._modules, strict=True)  # layers only (BatchNorm, no affine)
+            layers = [n or self._model_name for n, (m, _) in held if id(m) in ids]
             raise RestoreError(
                 f"{self._caller}: restored out of order: {len(newer)} newer handle(s) still "
-                f"hold {what} this one set ({names[:5]}...); restore the newest first, "
+                f"hold {'parameters' if names else 'layers'} this one set "
+                f"({sorted(names or layers)[:5]}...); restore the newest first, "
                 f"or use the context managers frozen()/unfrozen(), which nest correctly"
             )
 
@@ -433,8 +428,7 @@ def is_frozen(model: nn.Module, *selectors: Selector) -> bool:
     (True, False)
     """
     check_module(model, "is_frozen()")
-    selection = select(model, selectors, "is_frozen()")
-    return not any(p.requires_grad for p in selection.params.values())
+    return not any(p.requires_grad for p in select(model, selectors, "is_frozen()").params.values())
 
 
 class Frozen(Wrapper):

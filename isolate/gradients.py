@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from isolate._autograd import check_real, check_scalar, gradients_of, graph_inputs
+from isolate._delta import max_abs_diff
 from isolate._protected import Protected, resolve_named
 from isolate._selectors import check_module, select
 from isolate._sharding import roots_of
 from isolate._text import formatted
-from isolate.drift import max_abs_diff
 from isolate.errors import IsolationTypeError
 
 __all__ = [

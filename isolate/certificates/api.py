@@ -93,6 +93,16 @@ def _check_ignored(
                 )
 
 
+def _check_ulps(ulps: object) -> None:
+    """Refuse a merge tolerance that is not a finite number >= 0: a negative bound makes every
+    error's ratio negative, an infinite one any error small, so every merge would pass."""
+    if not isinstance(ulps, (int, float)) or isinstance(ulps, bool) or not 0 <= ulps < math.inf:
+        raise CertificateError(
+            f"{CALLER}: ulps must be a finite number >= 0 (the merge tolerance in units of the "
+            f"dtype's rounding), got {ulps!r}"
+        )
+
+
 def _record(reader: Checkpoint) -> FileRecord:
     hashes = reader.file_hashes()
     return FileRecord(str(reader.path), reader.format, hashes, reader.group, tuple(reader.skipped))
@@ -176,12 +186,7 @@ def certify(
     >>> folder.cleanup()
     """
     parsed_spec, config = _requested(spec, prefix, adapter_config, adapter, rows, ties)
-    if not isinstance(ulps, (int, float)) or isinstance(ulps, bool) or not 0 <= ulps < math.inf:
-        # a negative bound makes every error's ratio negative: every merge would pass
-        raise CertificateError(
-            f"{CALLER}: ulps must be a finite number >= 0 (the merge tolerance in units of the "
-            f"dtype's rounding), got {ulps!r}"
-        )
+    _check_ulps(ulps)
     with ExitStack() as stack:
         readers = [stack.enter_context(open_checkpoint(p, key=key)) for p in (base, tuned)]
         for reader in readers:

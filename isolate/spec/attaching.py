@@ -17,7 +17,8 @@ from isolate._text import shown
 from isolate.errors import CheckpointMismatchError
 from isolate.spec.cadence import StepGuard
 from isolate.spec.identity import require_held
-from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers, as_schedulers
+from isolate.spec.lr_schedulers import as_schedulers
+from isolate.spec.optimizers import OptimizerLink, Optimizers, as_optimizers
 from isolate.spec.plan import Plan
 from isolate.spec.state import check_state, saved_state
 from isolate.spec.thawing import Thaws

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch.optim import lr_scheduler as lrs
 
-from isolate.errors import SpecError
+from isolate.errors import IsolationTypeError, SpecError
 
-__all__ = ["KNOWN", "check", "current_lr", "drop", "extend", "of"]
+__all__ = ["KNOWN", "as_schedulers", "check", "current_lr", "drop", "extend", "of"]
 
 KNOWN: tuple[type[Any], ...] = (
     lrs.LambdaLR,
@@ -43,6 +43,26 @@ KNOWN: tuple[type[Any], ...] = (
 may keep state of its own)."""
 
 _MOMENTUM_KEYS = ("max_momentum", "base_momentum")
+
+
+def as_schedulers(obj: object, caller: str) -> list[Any]:
+    """A list of LR schedulers: ``None`` is none, a lone scheduler (anything that holds an
+    ``.optimizer``) is one.
+
+    Raises:
+        IsolationTypeError: ``obj`` is neither a list or tuple nor a scheduler.
+    """
+    if obj is None:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    if hasattr(obj, "optimizer"):
+        return [obj]
+    raise IsolationTypeError(
+        f"{caller}: schedulers must be an LR scheduler or a list of them, got "
+        f"{type(obj).__name__}; pass each scheduler itself (a Lightning config's 'scheduler', "
+        f"not the config)"
+    )
 
 
 def of(opt: torch.optim.Optimizer, schedulers: Sequence[Any]) -> list[Any]:

@@ -28,7 +28,6 @@ __all__ = [
     "Slot",
     "add_group",
     "as_optimizers",
-    "as_schedulers",
     "place",
     "take_out",
 ]
@@ -72,26 +71,6 @@ def as_optimizers(obj: object, caller: str) -> list[torch.optim.Optimizer]:
                 f"{type(item).__name__}"
             ) from None
     return out
-
-
-def as_schedulers(obj: object, caller: str) -> list[Any]:
-    """A list of LR schedulers: ``None`` is none, a lone scheduler (anything that holds an
-    ``.optimizer``) is one.
-
-    Raises:
-        IsolationTypeError: ``obj`` is neither a list or tuple nor a scheduler.
-    """
-    if obj is None:
-        return []
-    if isinstance(obj, (list, tuple)):
-        return list(obj)
-    if hasattr(obj, "optimizer"):
-        return [obj]
-    raise IsolationTypeError(
-        f"{caller}: schedulers must be an LR scheduler or a list of them, got "
-        f"{type(obj).__name__}; pass each scheduler itself (a Lightning config's 'scheduler', "
-        f"not the config)"
-    )
 
 
 def risk(optimizer: torch.optim.Optimizer, group: int, param: torch.Tensor) -> str:
