@@ -34,6 +34,13 @@ Drift = Literal["copy", "fingerprint"]
 _DRIFT = ("copy", "fingerprint")
 
 
+def check_atol(atol: object, caller: str) -> None:
+    """Refuse a tolerance that is not a finite number >= 0: a negative or NaN one fails
+    everything, an infinite one passes everything (a tensor gone or reshaped reports inf)."""
+    if not isinstance(atol, (int, float)) or not 0 <= atol < math.inf:
+        raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
+
+
 @dataclass(frozen=True)
 class _Entry:
     name: str
@@ -209,9 +216,7 @@ class Snapshot:
         )
 
     def _check_atol(self, caller: str, atol: float) -> None:
-        if not isinstance(atol, (int, float)) or not 0 <= atol < math.inf:
-            # inf would pass everything, a tensor gone or reshaped (reported as inf) included
-            raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
+        check_atol(atol, caller)
         if atol and self.drift != "copy":
             raise IsolationTypeError(
                 f"{caller}: atol={atol} needs the size of a change, which a fingerprint "

@@ -28,7 +28,6 @@ The helpers are plain functions and work without pytest:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,8 +38,8 @@ from isolate._autograd import Losses
 from isolate._protected import Protected
 from isolate._selectors import Selector
 from isolate.cutoff import assert_reached, trace_forward
-from isolate.drift import ParameterFilter, Snapshot, snapshot
-from isolate.errors import GradientLeakError, IsolationTypeError, SelectorError
+from isolate.drift import ParameterFilter, Snapshot, check_atol, snapshot
+from isolate.errors import GradientLeakError, SelectorError
 from isolate.gradients import gradient_invariance
 from isolate.reachability import assert_isolated
 
@@ -92,10 +91,7 @@ def assert_gradient_invariance(
     """
     __tracebackhide__ = True
     caller = "assert_gradient_invariance()"
-    if not isinstance(atol, (int, float)) or not 0 <= atol < math.inf:
-        # A negative or NaN tolerance would fail an exact isolation (0.0 > -1), an infinite
-        # one pass every leak.
-        raise IsolationTypeError(f"{caller}: atol must be a number >= 0, got {atol!r}")
+    check_atol(atol, caller)
     result = gradient_invariance(main_loss, total_loss, protected, model=model)
     if not result.trainable:
         raise SelectorError(
